@@ -1,0 +1,69 @@
+"""A byte-level tokenizer with no merges: one token per byte, plus chat special tokens.
+
+Tests and dummy-weight checkpoints need a real `tokenizer.json` without a hub download. Every
+byte string round-trips through it, and multi-byte characters span several tokens, which is
+exactly what the streaming detokenizer must handle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
+
+NUM_BYTE_TOKENS = 256
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# ChatML, as Qwen checkpoints use it.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_byte_level_tokenizer() -> Tokenizer:
+    """Token id i (< 256) is byte i; special tokens follow at 256, 257, 258."""
+    byte_to_char = ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    # ByteLevel.alphabet() is unordered; rebuild GPT-2's byte -> unicode table to order it by byte.
+    ordered = _bytes_to_unicode()
+    assert set(ordered.values()) == set(byte_to_char)
+    vocab = {ordered[b]: b for b in range(NUM_BYTE_TOKENS)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return tokenizer
+
+
+def save_byte_level_tokenizer(directory: str | Path, model_max_length: int = 4096) -> None:
+    """Write tokenizer.json and tokenizer_config.json (with a ChatML template) to `directory`."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=build_byte_level_tokenizer(),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=model_max_length,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(directory))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable unicode characters."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    extra = 0
+    for b in range(NUM_BYTE_TOKENS):
+        if b not in printable:
+            printable.append(b)
+            chars.append(NUM_BYTE_TOKENS + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}

@@ -1,0 +1,128 @@
+"""The engine: requests in, one step at a time, new tokens out. Token ids only, never text."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.engine import loader
+from nanoserve.engine.kv_blocks import KVCacheManager
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.outputs import EngineStats, RequestDelta
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanoserve.engine")
+
+
+class Engine:
+    """Loads a model, owns the scheduler and model runner, and runs engine steps."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        started = time.perf_counter()
+        self.model_path = loader.resolve_model_path(config.model, config.load_format)
+        self.model_config = loader.load_model_config(self.model_path)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.model_config.torch_dtype, self.device)
+        torch.manual_seed(config.seed)
+        model = loader.load_model(
+            self.model_path, self.model_config, self.device, self.dtype, config.load_format
+        )
+        self.load_time_s = time.perf_counter() - started
+
+        self.vocab_size = self.model_config.vocab_size
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({self.model_config.max_position_embeddings})"
+            )
+        self.eos_token_ids = frozenset(
+            set(self.model_config.eos_token_ids) | loader.load_generation_eos(self.model_path)
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens or max(2048, self.max_model_len),
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        cache_config = CacheConfig(
+            block_size=config.block_size,
+            kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            num_blocks_override=config.num_kv_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        started = time.perf_counter()
+        self.runner = ModelRunner(
+            model, self.model_config, cache_config, self.device, self.dtype,
+            self.max_model_len, config.max_num_seqs, scheduler_config.max_num_batched_tokens,
+        )
+        self.kv_sizing_time_s = time.perf_counter() - started
+        kv_manager = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(scheduler_config, kv_manager)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.runner.num_blocks * self.runner.block_size
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError for a prompt the model cannot take."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {num_prompt} input tokens; leave room for at least one "
+                "output token."
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        params.validate_for_vocab(self.vocab_size)
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
+        if params.seed is not None:
+            request.generator = torch.Generator(self.device).manual_seed(params.seed)
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests in any state; every block they held is returned."""
+        self.scheduler.abort(request_ids)
+
+    def step(self) -> list[RequestDelta]:
+        """Schedule, execute, update: one forward pass over the running batch."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        token_ids, logprobs = self.runner.execute(scheduled, self.eos_token_ids)
+        return self.scheduler.update(scheduled, token_ids, logprobs)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage(),
+            num_kv_blocks=self.runner.num_blocks,
+            block_size=self.runner.block_size,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prefix_cache_queries=kv.num_prefix_queries,
+            prefix_cache_hits=kv.num_prefix_hits,
+        )

@@ -1,0 +1,138 @@
+"""Paged attention: write this step's K/V into the block pool, then attend through block tables.
+
+One forward pass serves a mixed batch: some requests bring many prompt tokens, others one decode
+token. The runner flattens all their tokens into one sequence of `num_tokens` rows and describes
+the layout once per step in `AttentionMetadata`; every layer reuses it.
+
+The reference backend below is plain PyTorch and runs on CPU and CUDA. A faster backend (Triton,
+FlashAttention) can replace `reference_paged_attention` behind the same metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flat token batch of one step maps onto requests and KV slots.
+
+    B = number of requests in the step, T = total tokens, Q = longest query, K = longest context.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block_id * block_size + offset) per token
+    block_tables: torch.Tensor  # [B, max_blocks] int64: each request's blocks (padded with 0)
+    seq_lens: torch.Tensor  # [B] int64: context length after this step (cached + new tokens)
+    query_lens: torch.Tensor  # [B] int64: tokens this request runs now
+    query_pad_index: torch.Tensor  # [B, Q] int64: flat token index of each padded query row
+    query_unpad_index: torch.Tensor  # [T] int64: row in the [B*Q] padded layout of each token
+    attn_mask: torch.Tensor  # [B, 1, 1, Q, K] bool: True where a query may see a key
+    is_decode_only: bool  # every request runs exactly one token (Q == 1)
+
+
+def reference_paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Gather every request's context from the pool and attend with a causal, padded mask."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_requests, max_query_len = meta.query_pad_index.shape
+    block_size = k_cache.shape[1]
+    max_context = meta.block_tables.shape[1] * block_size
+
+    # [B, Q, H, D] -> [B, Hkv, group, Q, D]: query heads grouped under the KV head they share.
+    q = query[meta.query_pad_index]
+    q = q.view(num_requests, max_query_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    # [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, 1, K, D]
+    k = k_cache[meta.block_tables].view(num_requests, max_context, num_kv_heads, head_dim)
+    v = v_cache[meta.block_tables].view(num_requests, max_context, num_kv_heads, head_dim)
+    k = k.permute(0, 2, 1, 3).unsqueeze(2)
+    v = v.permute(0, 2, 1, 3).unsqueeze(2)
+
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, group, Q, K]
+    scores = scores.masked_fill(~meta.attn_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [B, Hkv, group, Q, D]
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_requests * max_query_len, num_heads, head_dim)
+    return out[meta.query_unpad_index]  # [T, H, D]
+
+
+class PagedAttention(nn.Module):
+    """Attention over the paged KV cache; the runner binds `k_cache`/`v_cache` after allocating."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, D]
+        assert self.k_cache is not None, "KV cache not bound: call ModelRunner.bind_kv_cache"
+        # Write this step's keys and values into their slots: [num_slots, Hkv, D] views.
+        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        return reference_paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: list[int],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Build the per-step layout once on the CPU side; every layer reads it."""
+    num_requests = len(query_lens)
+    max_query_len = max(query_lens)
+    max_blocks = max(len(t) for t in block_tables)
+    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+    starts = torch.cumsum(query_lens_t, 0) - query_lens_t  # [B] first flat index of each request
+
+    offsets = torch.arange(max_query_len)  # [Q]
+    is_real_query = offsets[None, :] < query_lens_t[:, None]  # [B, Q]
+    query_pad_index = torch.where(is_real_query, starts[:, None] + offsets[None, :], 0)
+    padded_rows = torch.arange(num_requests)[:, None] * max_query_len + offsets[None, :]
+    query_unpad_index = padded_rows[is_real_query]  # [T], in flat token order
+
+    # Position of each query within its own sequence; a key at position j is visible if j <= it.
+    query_positions = (seq_lens_t - query_lens_t)[:, None] + offsets[None, :]  # [B, Q]
+    key_positions = torch.arange(max_blocks * block_size)
+    attn_mask = key_positions[None, None, :] <= query_positions[:, :, None]  # [B, Q, K]
+    attn_mask &= key_positions[None, None, :] < seq_lens_t[:, None, None]
+    attn_mask[~is_real_query] = False
+    attn_mask[:, :, 0] |= ~is_real_query  # padding rows see one key, so softmax stays finite
+
+    table = torch.zeros(num_requests, max_blocks, dtype=torch.int64)
+    for i, blocks in enumerate(block_tables):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
+        block_tables=table.to(device),
+        seq_lens=seq_lens_t.to(device),
+        query_lens=query_lens_t.to(device),
+        query_pad_index=query_pad_index.to(device),
+        query_unpad_index=query_unpad_index.to(device),
+        attn_mask=attn_mask[:, None, None].to(device),
+        is_decode_only=max_query_len == 1,
+    )
+

@@ -1,0 +1,210 @@
+"""The model runner: owns the model and the KV pool, turns a schedule into one forward pass.
+
+Per step it flattens the scheduled tokens of every request into one batch (token ids,
+positions, the KV slot each token writes, the block table each request reads), runs the model
+once, and samples from the logits of each request's last position, for the requests whose
+prompt is complete after this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.config import CacheConfig
+from nanoserve.engine.layers.attention import AttentionMetadata, build_attention_metadata
+from nanoserve.engine.outputs import TokenLogprobs
+from nanoserve.engine.request import Request
+from nanoserve.engine.sampler import Sampler, SamplingBatch
+from nanoserve.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger("nanoserve.model_runner")
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch, ready for the model."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [S]: flat index of the last token of each request that samples
+    sampling_requests: list[Request]  # [S]
+
+
+class ModelRunner:
+    """Runs the model over the paged KV cache and samples the next tokens."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config,
+        cache_config: CacheConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = cache_config.block_size
+        self.sampler = Sampler()
+        self.num_blocks = self._num_kv_blocks(
+            cache_config, max_model_len, max_num_seqs, max_num_batched_tokens
+        )
+        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+
+    # -- KV cache ---------------------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block across all layers: K and V, block_size slots, every KV head."""
+        cfg = self.model_config
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+        return per_token * self.block_size * torch.finfo(self.dtype).bits // 8
+
+    def _num_kv_blocks(
+        self,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> int:
+        if cache_config.num_blocks_override is not None:
+            return cache_config.num_blocks_override
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget(cache_config.gpu_memory_utilization, max_num_batched_tokens)
+        else:
+            budget = cache_config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+            if cache_config.kv_cache_memory is None:
+                # Without an explicit budget, take no more than every sequence at full length.
+                needed_tokens = max_num_seqs * max_model_len + max_num_batched_tokens
+                budget = min(budget, (needed_tokens // self.block_size + 1) * self.kv_block_bytes)
+        num_blocks = budget // self.kv_block_bytes
+        if num_blocks * self.block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks * self.block_size}"
+                f" tokens, fewer than max_model_len ({max_model_len}); give more kv_cache_memory"
+                " (or gpu_memory_utilization) or lower max_model_len"
+            )
+        return num_blocks
+
+    def _cuda_kv_budget(self, utilization: float, max_num_batched_tokens: int) -> int:
+        """GPU memory left for KV after weights and a full-size forward's activations."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_forward(max_num_batched_tokens)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        return max(0, int(total * utilization) - peak)
+
+    def _profile_forward(self, num_tokens: int) -> None:
+        """Run the model once on `num_tokens` tokens with a throwaway cache to find peak memory."""
+        cfg = self.model_config
+        num_blocks = -(-num_tokens // self.block_size)
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        for layer in self.model.attention_layers():
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        meta = build_attention_metadata(
+            [num_tokens], [num_tokens], [list(range(num_blocks))], list(range(num_tokens)),
+            self.block_size, self.device,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device), meta)
+            self.model.compute_logits(hidden[-1:])
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = None
+        torch.cuda.synchronize(self.device)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """One tensor [layers, 2, num_blocks, block_size, Hkv, D]; each layer gets its views.
+
+        Zero-filled so that slots not yet written hold finite values (they are masked, but
+        0 * NaN would still poison the attention output).
+        """
+        cfg = self.model_config
+        shape = (
+            cfg.num_hidden_layers, 2, num_blocks, self.block_size,
+            cfg.num_key_value_heads, cfg.head_dim,
+        )
+        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for layer_index, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache = kv_cache[layer_index, 0]
+            layer.v_cache = kv_cache[layer_index, 1]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), up to %d tokens",
+            num_blocks, self.block_size, kv_cache.numel() * kv_cache.element_size() / 2**20,
+            num_blocks * self.block_size,
+        )
+        return kv_cache
+
+    # -- one step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, eos_token_ids: frozenset[int]
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Run the scheduled tokens; return the sampled token (and logprobs) per request."""
+        inputs = self.prepare_inputs(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)  # [T, hidden]
+        if not inputs.sampling_requests:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [S, vocab] float32
+        requests = inputs.sampling_requests
+        batch = SamplingBatch.build(
+            params=[r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            generators=[r.generator for r in requests],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+            eos_token_ids=eos_token_ids,
+        )
+        result = self.sampler(logits, batch)
+        token_ids = {r.request_id: t for r, t in zip(requests, result.token_ids)}
+        logprobs = {
+            r.request_id: lp for r, lp in zip(requests, result.logprobs) if lp is not None
+        }
+        return token_ids, logprobs
+
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled tokens of all requests into one batch."""
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens, seq_lens, block_tables = [], [], []
+        sample_rows: list[int] = []
+        sampling_requests: list[Request] = []
+        for request in out.requests:
+            start = request.num_computed_tokens
+            end = start + out.num_scheduled_tokens[request.request_id]
+            blocks = request.block_ids
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size
+                                for p in range(start, end))
+            query_lens.append(end - start)
+            seq_lens.append(end)
+            block_tables.append(blocks)
+            if end == request.num_tokens:  # the whole known sequence is cached: sample next
+                sample_rows.append(len(input_ids) - 1)
+                sampling_requests.append(request)
+        attn_meta = build_attention_metadata(
+            query_lens, seq_lens, block_tables, slot_mapping, block_size, self.device
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            attn_meta=attn_meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            sampling_requests=sampling_requests,
+        )

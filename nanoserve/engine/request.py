@@ -1,0 +1,89 @@
+"""A request as the engine sees it: token ids, counters and a block table."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from nanoserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # queued; holds no blocks
+    RUNNING = 1  # in the running batch; holds blocks
+    PREEMPTED = 2  # was running, gave its blocks back, waits to be recomputed
+    FINISHED = 3
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request stopped. `STOP` covers EOS, stop token ids and stop strings."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class Request:
+    """One sequence being generated.
+
+    Counters, not flags: the scheduler only ever asks "how many of this request's tokens are
+    not yet in the KV cache?" (`num_tokens - num_computed_tokens`). A fresh prompt, the next
+    chunk of a long prompt, a prefix-cache hit and a decode step are all answered the same way.
+    Only the scheduler changes the counters and the block table.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)  # prompt + output, kept together for speed
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at admission
+        self.block_ids: list[int] = []
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None  # the stop token id that ended it, if any
+        self.generator: torch.Generator | None = None  # per-request RNG when seeded
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_computed_tokens}/{self.num_tokens}, blocks={self.block_ids})"
+        )
