@@ -25,14 +25,10 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         started = time.perf_counter()
-        self.model_path = loader.resolve_model_path(config.model, config.load_format)
-        self.model_config = loader.load_model_config(self.model_path)
         self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(self.model_config.torch_dtype, self.device)
         torch.manual_seed(config.seed)
-        model = loader.load_model(
-            self.model_path, self.model_config, self.device, self.dtype, config.load_format
-        )
+        model, self.model_config, self.model_path = loader.load_model(config, self.device)
+        self.dtype = next(model.parameters()).dtype
         self.load_time_s = time.perf_counter() - started
 
         self.vocab_size = self.model_config.vocab_size
@@ -43,7 +39,7 @@ class Engine:
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
         self.eos_token_ids = frozenset(
-            set(self.model_config.eos_token_ids) | loader.load_generation_eos(self.model_path)
+            set(self.model_config.eos_token_ids) | loader.load_generation_config_eos(self.model_path)
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
