@@ -135,4 +135,3 @@ def build_attention_metadata(
         attn_mask=attn_mask[:, None, None].to(device),
         is_decode_only=max_query_len == 1,
     )
-

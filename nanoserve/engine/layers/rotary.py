@@ -1,0 +1,93 @@
+"""Rotary position embeddings (RoPE), "neox" style: the head is split into two halves.
+
+The cos/sin table is computed once in float32 for every position up to
+`max_position_embeddings` and indexed by each token's position, so a batch can mix tokens of
+many requests at arbitrary positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+# rope_type -> the keys its rope_scaling dict must carry
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+SUPPORTED_ROPE_TYPES = tuple(ROPE_SCALING_KEYS)
+
+
+def check_rope_scaling(rope_scaling: dict | None) -> None:
+    """Raise ValueError unless `rope_scaling` is None or a supported, complete scaling dict."""
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    missing = [key for key in ROPE_SCALING_KEYS[rope_type] if key not in rope_scaling]
+    if missing:
+        raise ValueError(f"rope scaling of type {rope_type!r} is missing {', '.join(missing)}")
+
+
+def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+    """The rotation frequency of each pair of dimensions: [head_dim // 2] float32."""
+    check_rope_scaling(rope_scaling)
+    # Built on the CPU even when the model itself is built on the meta device.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (base**exponents)  # [D/2]
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    return _llama3_inv_freq(inv_freq, rope_scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1+: slow down low frequencies by `factor`, keep high ones, blend in between."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Looks up cos/sin for token positions from a float32 table built once."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None
+    ) -> None:
+        super().__init__()
+        inv_freq = compute_inv_freq(head_dim, base, rope_scaling)  # [D/2]
+        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")  # [P]
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
+        self.max_position = max_position
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [P, D/2] float32
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)  # [P, D/2] float32
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> (cos, sin), each [T, D/2] float32."""
+        return self.cos_cache[positions], self.sin_cache[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head of x [T, H, D] by its token's angle; cos/sin are [T, D/2]."""
+    cos = cos.to(x.dtype).unsqueeze(1)  # [T, 1, D/2]
+    sin = sin.to(x.dtype).unsqueeze(1)  # [T, 1, D/2]
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    # Same as transformers' x * cos + rotate_half(x) * sin with cos/sin repeated twice.
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, D]

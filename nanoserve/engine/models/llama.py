@@ -1,0 +1,169 @@
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3 as one model with small switches.
+
+    embed_tokens -> N x [RMSNorm -> attention (+RoPE, GQA) -> add -> RMSNorm -> SwiGLU -> add]
+                 -> RMSNorm -> lm_head
+
+Switches (from ModelConfig): `attention_bias` (Qwen2: bias on q/k/v), `qk_norm` (Qwen3: RMSNorm
+on every head of q and k before RoPE), `rope_scaling` (Llama 3: "llama3" frequencies),
+`tie_word_embeddings` (lm_head shares the embedding matrix).
+
+The model works on one flat batch of tokens from any number of requests: `forward` takes token
+ids and positions of shape [T] plus the step's AttentionMetadata, and knows nothing of requests.
+Parameters carry checkpoint names (`model.layers.0.self_attn.o_proj.weight`), except that q/k/v
+and gate/up are fused into `qkv_proj` and `gate_up_proj` (one matmul each); the loader copies
+`q_proj`, `k_proj`, ... into their rows (see MergedLinear).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.config import ModelConfig
+from nanoserve.engine.layers.attention import AttentionMetadata, PagedAttention
+from nanoserve.engine.layers.linear import MergedLinear
+from nanoserve.engine.layers.norm import RMSNorm
+from nanoserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            ["q_proj", "k_proj", "v_proj"],
+            bias=config.attention_bias,
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, D/2]
+        sin: torch.Tensor,  # [T, D/2]
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, attn_meta)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, H * D] -> [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, [size, size], ["gate_proj", "up_proj"], bias=False
+        )
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each added to the residual stream."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm (no LM head)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One RoPE table shared by all layers; cos/sin are looked up once per step.
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions)  # [T, D/2] each
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn_meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM: hidden states for a flat token batch, logits on request."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, attn_meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """The PagedAttention module of every layer, in order, for binding KV caches."""
+        return [layer.self_attn.attn for layer in self.model.layers]

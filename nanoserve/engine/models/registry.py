@@ -1,0 +1,28 @@
+"""Which model class serves which `architectures` name from a checkpoint's config.json."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nanoserve.engine.models.llama import LlamaForCausalLM
+
+# Llama, Mistral, Qwen2 and Qwen3 differ only in switches that ModelConfig carries.
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The model class for `architecture`; ValueError naming the supported ones otherwise."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None

@@ -1,0 +1,313 @@
+"""Checkpoint resolution, config.json parsing and weight loading."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.engine.loader import (
+    ModelLoadError,
+    available_presets,
+    checkpoint_tensors,
+    load_generation_config_eos,
+    load_model,
+    load_model_config,
+    resolve_model_path,
+)
+from nanoserve.testing import make_tiny_checkpoint
+
+# Published parameter counts (embeddings included, a tied head counted once).
+PUBLISHED_NUM_PARAMS = {
+    "Qwen/Qwen3-0.6B": 596_049_920,
+    "Qwen/Qwen3-1.7B": 1.72e9,
+    "Qwen/Qwen3-4B": 4.02e9,
+    "Qwen/Qwen3-8B": 8.19e9,
+    "meta-llama/Llama-3.2-1B": 1.24e9,
+    "Qwen/Qwen2.5-0.5B": 0.494e9,
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {arch: make_tiny_checkpoint(root / arch, arch) for arch in ("qwen3", "qwen2", "llama")}
+
+
+def load(model_dir: Path, **overrides):
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **overrides)
+    return load_model(config)
+
+
+def copy_checkpoint(source: Path, target: Path, config_edit=None) -> Path:
+    """A copy of `source` whose config.json is passed through `config_edit` first."""
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    if config_edit is not None:
+        raw = json.loads((source / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps(config_edit(raw)))
+    return target
+
+
+def to_transformers_4x(raw: dict) -> dict:
+    """The same config as transformers 4.x writes it: rope_theta/rope_scaling, torch_dtype."""
+    raw = dict(raw)
+    rope = dict(raw.pop("rope_parameters"))
+    raw["rope_theta"] = rope.pop("rope_theta")
+    raw["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+    raw["torch_dtype"] = raw.pop("dtype")
+    return raw
+
+
+# --- config.json -----------------------------------------------------------------------------
+
+
+def test_llama_config_values(checkpoints):
+    config = load_model_config(checkpoints["llama"])
+    assert config == ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        torch_dtype="float32",
+        eos_token_ids=(258,),
+    )
+
+
+def test_qwen_switches(checkpoints):
+    qwen3 = load_model_config(checkpoints["qwen3"])
+    assert (qwen3.qk_norm, qwen3.attention_bias, qwen3.tie_word_embeddings) == (True, False, True)
+    assert (qwen3.head_dim, qwen3.rope_scaling, qwen3.rope_theta) == (32, None, 10000.0)
+    qwen2 = load_model_config(checkpoints["qwen2"])  # its config.json has no attention_bias key
+    assert (qwen2.qk_norm, qwen2.attention_bias) == (False, True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_transformers_4x_and_5x_configs_agree(checkpoints, tmp_path, arch):
+    old_style = copy_checkpoint(checkpoints[arch], tmp_path / "4x", to_transformers_4x)
+    assert "rope_parameters" not in json.loads((old_style / "config.json").read_text())
+    assert load_model_config(old_style) == load_model_config(checkpoints[arch])
+
+
+def test_legacy_rope_type_key_head_dim_default_and_eos_list(checkpoints, tmp_path):
+    def edit(raw):
+        raw = to_transformers_4x(raw)
+        raw["rope_scaling"] = {"type": "linear", "factor": 2.0}
+        raw["eos_token_id"] = [258, 256]
+        del raw["head_dim"]
+        return raw
+
+    config = load_model_config(copy_checkpoint(checkpoints["llama"], tmp_path / "m", edit))
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert config.eos_token_ids == (258, 256)
+    assert config.head_dim == 64 // 4
+
+
+def test_generation_config_eos(checkpoints, tmp_path):
+    assert load_generation_config_eos(checkpoints["qwen3"]) == {258}
+    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m")
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 258]}))
+    assert load_generation_config_eos(model_dir) == {1, 258}
+    (model_dir / "generation_config.json").unlink()
+    assert load_generation_config_eos(model_dir) == set()
+
+
+def test_unsupported_architecture_lists_supported(checkpoints, tmp_path):
+    def edit(raw):
+        return {**raw, "architectures": ["GPT2LMHeadModel"]}
+
+    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m", edit)
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported") as error:
+        load_model_config(model_dir)
+    for name in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"):
+        assert name in str(error.value)
+
+
+def test_unsupported_rope_type_lists_supported(checkpoints, tmp_path):
+    def edit(raw):
+        return {**raw, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}
+
+    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m", edit)
+    with pytest.raises(ModelLoadError, match="'yarn' is not supported; supported: default"):
+        load_model_config(model_dir)
+
+
+def test_mistral_sliding_window_caps_context(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=128)
+    assert load_model_config(model_dir).max_position_embeddings == 128
+
+
+# --- finding the checkpoint ------------------------------------------------------------------
+
+
+def test_missing_directory_is_named(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ModelLoadError, match="no-such-model.*does not exist"):
+        resolve_model_path(missing)
+
+
+def test_directory_without_config_or_weights(checkpoints, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model_path(str(empty))
+    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m")
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"'.*m'.*no \*\.safetensors"):
+        resolve_model_path(str(model_dir))
+    assert resolve_model_path(str(model_dir), "dummy") == model_dir  # dummy needs no weights
+
+
+def test_pickle_only_checkpoint_is_refused(checkpoints, tmp_path):
+    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m")
+    (model_dir / "model.safetensors").unlink()
+    (model_dir / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ModelLoadError, match=r"only PyTorch pickle weights \(pytorch_model.bin\)"):
+        resolve_model_path(str(model_dir))
+
+
+def test_hub_failure_names_the_model(monkeypatch):
+    import huggingface_hub
+
+    def offline(repo_id, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ModelLoadError, match="could not fetch model 'someone/missing-model'"):
+        resolve_model_path("someone/missing-model")
+
+
+# --- weights ---------------------------------------------------------------------------------
+
+
+def test_sharded_checkpoint_loads_identically(checkpoints, tmp_path, caplog):
+    source = checkpoints["llama"]
+    hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    hf_model.save_pretrained(sharded, max_shard_size="60KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    num_shards = len(list(sharded.glob("*.safetensors")))
+    assert num_shards > 1
+
+    with caplog.at_level(logging.INFO, logger="nanoserve.loader"):
+        sharded_model = load(sharded).model
+    assert f"loading weights: shard {num_shards}/{num_shards}, 21/21 tensors" in caplog.text
+    single = load(source).model.state_dict()
+    for name, tensor in sharded_model.state_dict().items():
+        assert torch.equal(tensor, single[name]), name
+
+
+def test_weights_land_in_fused_projections(checkpoints):
+    model = load(checkpoints["qwen2"]).model
+    weights = load_file(checkpoints["qwen2"] / "model.safetensors")
+    destinations = checkpoint_tensors(model)
+    assert set(destinations) == set(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(destinations[name], tensor), name
+    attention = model.model.layers[1].self_attn
+    q, k, v = attention.qkv_proj.bias.split([64, 32, 32])
+    assert torch.equal(k, weights["model.layers.1.self_attn.k_proj.bias"])
+
+
+def test_checkpoint_dtype_is_cast(checkpoints):
+    model = load_model(
+        EngineConfig(model=str(checkpoints["qwen3"]), device="cpu", dtype="bfloat16")
+    ).model
+    weights = load_file(checkpoints["qwen3"] / "model.safetensors")
+    assert model.model.norm.weight.dtype == torch.bfloat16
+    assert torch.equal(model.model.norm.weight, weights["model.norm.weight"].bfloat16())
+    assert model.model.rotary_emb.cos_cache.dtype == torch.float32
+
+
+def test_missing_and_unexpected_tensors_are_named(checkpoints, tmp_path):
+    model_dir = copy_checkpoint(checkpoints["llama"], tmp_path / "m")
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    weights["model.layers.1.mlp.extra.weight"] = torch.zeros(2)
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(8)  # ignored
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as error:
+        load(model_dir)
+    assert "missing tensors model.layers.1.mlp.up_proj.weight" in str(error.value)
+    assert "unexpected tensors model.layers.1.mlp.extra.weight" in str(error.value)
+
+
+def test_tied_checkpoint_may_carry_lm_head(checkpoints, tmp_path):
+    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m")
+    weights = load_file(model_dir / "model.safetensors")
+    assert "lm_head.weight" not in weights
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    model = load(model_dir).model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_dummy_weights_are_seeded(checkpoints):
+    first = load(checkpoints["qwen2"], load_format="dummy", seed=3).model.state_dict()
+    again = load(checkpoints["qwen2"], load_format="dummy", seed=3).model.state_dict()
+    other = load(checkpoints["qwen2"], load_format="dummy", seed=4).model.state_dict()
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    assert torch.equal(first[name], again[name])
+    assert not torch.equal(first[name], other[name])
+    assert 0.015 < first[name].std().item() < 0.025
+    assert torch.all(first["model.layers.1.input_layernorm.weight"] == 1.0)
+    assert torch.all(first["model.layers.1.self_attn.qkv_proj.bias"] == 0.0)
+
+
+# --- presets ---------------------------------------------------------------------------------
+
+
+def test_all_presets_shipped():
+    assert sorted(PUBLISHED_NUM_PARAMS) == available_presets()
+
+
+@pytest.mark.parametrize("model_id", sorted(PUBLISHED_NUM_PARAMS))
+def test_preset_builds_with_published_shapes(model_id, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path))
+    # The meta device checks every shape without allocating gigabytes.
+    config = EngineConfig(model=model_id, load_format="dummy")
+    model, model_config, model_dir = load_model(config, device="meta")
+    assert model_dir == tmp_path / "dummy" / model_id.replace("/", "--")
+    assert (model_dir / "tokenizer.json").is_file()
+    assert model_config.torch_dtype == "bfloat16"
+    assert next(model.parameters()).dtype == torch.bfloat16  # `auto` keeps the checkpoint dtype
+
+    num_params = sum(p.numel() for p in model.parameters())
+    published = PUBLISHED_NUM_PARAMS[model_id]
+    assert abs(num_params - published) / published < 0.01
+
+    # transformers, built from the same config, expects exactly these checkpoint tensors.
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    expected = {
+        name: tuple(t.shape)
+        for name, t in reference.state_dict().items()
+        if not (model_config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    ours = {name: tuple(t.shape) for name, t in checkpoint_tensors(model).items()}
+    assert ours == expected
+    assert num_params == reference.num_parameters()
