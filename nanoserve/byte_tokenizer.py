@@ -66,4 +66,4 @@ def _bytes_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(NUM_BYTE_TOKENS + extra)
             extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}

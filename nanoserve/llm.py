@@ -1,8 +1,8 @@
 """LLM: offline batch generation over the in-process engine, in vLLM's shape.
 
-    from nanoserve import LLM, SamplingParams
-    llm = LLM(model="path/to/checkpoint")
-    outputs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
+from nanoserve import LLM, SamplingParams
+llm = LLM(model="path/to/checkpoint")
+outputs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class LLM:
         results: list[RequestOutput] = []
         pending: dict[str, _Completion] = {}
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params in zip(prompts, sampling_params, strict=True):
                 text, token_ids = self._tokenize(prompt)
                 result = RequestOutput(str(next(self._request_counter)), text, token_ids)
                 results.append(result)
@@ -117,7 +117,7 @@ class _Completion:
             position = {
                 token_id: Logprob(logprob, rank, tokenizer.decode([token_id]))
                 for rank, (token_id, logprob) in enumerate(
-                    zip(entry.top_token_ids, entry.top_logprobs), start=1
+                    zip(entry.top_token_ids, entry.top_logprobs, strict=True), start=1
                 )
             }
             position[entry.token_id] = Logprob(

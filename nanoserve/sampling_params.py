@@ -47,9 +47,7 @@ class SamplingParams:
         _require(self.n >= 1, f"n must be ≥ 1, got {self.n}")
         _require(self.temperature >= 0.0, f"temperature must be ≥ 0, got {self.temperature}")
         _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _require(
-            self.top_k >= -1, f"top_k must be -1 or 0 (disabled) or ≥ 1, got {self.top_k}"
-        )
+        _require(self.top_k >= -1, f"top_k must be -1 or 0 (disabled) or ≥ 1, got {self.top_k}")
         _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _require(
             -2.0 <= self.presence_penalty <= 2.0,

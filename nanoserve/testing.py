@@ -17,19 +17,19 @@ from nanoserve.byte_tokenizer import SPECIAL_TOKENS, save_byte_level_tokenizer
 ARCHITECTURES = ("qwen3", "qwen2", "llama", "mistral")
 
 # Small enough to run in milliseconds, big enough to exercise GQA, several blocks and layers.
-_TINY = dict(
-    vocab_size=320,  # 256 bytes + specials, padded
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    bos_token_id=None,
-    eos_token_id=258,  # <|im_end|>
-    pad_token_id=256,  # <|endoftext|>
-)
+_TINY = {
+    "vocab_size": 320,  # 256 bytes + specials, padded
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": None,
+    "eos_token_id": 258,  # <|im_end|>
+    "pad_token_id": 256,  # <|endoftext|>
+}
 
 
 def tiny_config(architecture: str = "qwen3", **overrides):

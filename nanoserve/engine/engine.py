@@ -39,7 +39,8 @@ class Engine:
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
         self.eos_token_ids = frozenset(
-            set(self.model_config.eos_token_ids) | loader.load_generation_config_eos(self.model_path)
+            set(self.model_config.eos_token_ids)
+            | loader.load_generation_config_eos(self.model_path)
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -56,8 +57,14 @@ class Engine:
         )
         started = time.perf_counter()
         self.runner = ModelRunner(
-            model, self.model_config, cache_config, self.device, self.dtype,
-            self.max_model_len, config.max_num_seqs, scheduler_config.max_num_batched_tokens,
+            model,
+            self.model_config,
+            cache_config,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            config.max_num_seqs,
+            scheduler_config.max_num_batched_tokens,
         )
         self.kv_sizing_time_s = time.perf_counter() - started
         kv_manager = KVCacheManager(

@@ -80,7 +80,9 @@ class ModelRunner:
         if cache_config.num_blocks_override is not None:
             return cache_config.num_blocks_override
         if self.device.type == "cuda":
-            budget = self._cuda_kv_budget(cache_config.gpu_memory_utilization, max_num_batched_tokens)
+            budget = self._cuda_kv_budget(
+                cache_config.gpu_memory_utilization, max_num_batched_tokens
+            )
         else:
             budget = cache_config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
             if cache_config.kv_cache_memory is None:
@@ -88,9 +90,10 @@ class ModelRunner:
                 needed_tokens = max_num_seqs * max_model_len + max_num_batched_tokens
                 budget = min(budget, (needed_tokens // self.block_size + 1) * self.kv_block_bytes)
         num_blocks = budget // self.kv_block_bytes
-        if num_blocks * self.block_size < max_model_len:
+        capacity = num_blocks * self.block_size
+        if capacity < max_model_len:
             raise ValueError(
-                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks * self.block_size}"
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {capacity}"
                 f" tokens, fewer than max_model_len ({max_model_len}); give more kv_cache_memory"
                 " (or gpu_memory_utilization) or lower max_model_len"
             )
@@ -113,8 +116,12 @@ class ModelRunner:
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         meta = build_attention_metadata(
-            [num_tokens], [num_tokens], [list(range(num_blocks))], list(range(num_tokens)),
-            self.block_size, self.device,
+            [num_tokens],
+            [num_tokens],
+            [list(range(num_blocks))],
+            list(range(num_tokens)),
+            self.block_size,
+            self.device,
         )
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
@@ -132,8 +139,12 @@ class ModelRunner:
         """
         cfg = self.model_config
         shape = (
-            cfg.num_hidden_layers, 2, num_blocks, self.block_size,
-            cfg.num_key_value_heads, cfg.head_dim,
+            cfg.num_hidden_layers,
+            2,
+            num_blocks,
+            self.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
         )
         kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for layer_index, layer in enumerate(self.model.attention_layers()):
@@ -141,7 +152,9 @@ class ModelRunner:
             layer.v_cache = kv_cache[layer_index, 1]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), up to %d tokens",
-            num_blocks, self.block_size, kv_cache.numel() * kv_cache.element_size() / 2**20,
+            num_blocks,
+            self.block_size,
+            kv_cache.numel() * kv_cache.element_size() / 2**20,
             num_blocks * self.block_size,
         )
         return kv_cache
@@ -169,9 +182,11 @@ class ModelRunner:
             eos_token_ids=eos_token_ids,
         )
         result = self.sampler(logits, batch)
-        token_ids = {r.request_id: t for r, t in zip(requests, result.token_ids)}
+        token_ids = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
         logprobs = {
-            r.request_id: lp for r, lp in zip(requests, result.logprobs) if lp is not None
+            r.request_id: lp
+            for r, lp in zip(requests, result.logprobs, strict=True)
+            if lp is not None
         }
         return token_ids, logprobs
 
@@ -190,8 +205,9 @@ class ModelRunner:
             blocks = request.block_ids
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
-            slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size
-                                for p in range(start, end))
+            slot_mapping.extend(
+                blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
+            )
             query_lens.append(end - start)
             seq_lens.append(end)
             block_tables.append(blocks)

@@ -198,9 +198,11 @@ class Scheduler:
                 request.finish_reason = FinishReason.STOP
                 request.stop_reason = token_id
                 return
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            request.finish_reason = FinishReason.LENGTH
-        elif request.num_tokens >= self.config.max_model_len:
+        if (
+            params.max_tokens is not None
+            and request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
             request.finish_reason = FinishReason.LENGTH
 
     def _finish(self, request: Request, reason: FinishReason) -> None:

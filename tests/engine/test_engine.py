@@ -55,7 +55,7 @@ def run_to_completion(engine, prompts, params):
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     tokens = {str(i): [] for i in range(len(prompts))}
-    for i, (prompt, request_params) in enumerate(zip(prompts, params)):
+    for i, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), prompt, request_params)
     while engine.has_unfinished_requests():
         for delta in engine.step():
@@ -64,17 +64,17 @@ def run_to_completion(engine, prompts, params):
 
 
 def make_engine(checkpoint, **overrides):
-    args = dict(model=str(checkpoint), dtype="float32", device="cpu", max_model_len=128)
+    args = {"model": str(checkpoint), "dtype": "float32", "device": "cpu", "max_model_len": 128}
     args.update(overrides)
     return Engine(EngineConfig(**args))
 
 
 ENGINE_PATHS = {
     "default": {},
-    "few_seqs": dict(max_num_seqs=3),
-    "no_prefix_cache": dict(enable_prefix_caching=False),
-    "chunked_prefill": dict(max_num_batched_tokens=16),
-    "preemption": dict(num_kv_blocks=10, max_num_seqs=8),
+    "few_seqs": {"max_num_seqs": 3},
+    "no_prefix_cache": {"enable_prefix_caching": False},
+    "chunked_prefill": {"max_num_batched_tokens": 16},
+    "preemption": {"num_kv_blocks": 10, "max_num_seqs": 8},
 }
 
 
@@ -91,7 +91,7 @@ def test_batched_greedy_equals_transformers(checkpoint, prompts, reference, path
 
 def test_one_at_a_time_equals_transformers(checkpoint, prompts, reference):
     engine = make_engine(checkpoint)
-    for prompt, expected in zip(prompts, reference):
+    for prompt, expected in zip(prompts, reference, strict=True):
         assert run_to_completion(engine, [prompt], greedy()) == [expected]
 
 

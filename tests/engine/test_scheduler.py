@@ -11,17 +11,18 @@ from nanoserve.sampling_params import SamplingParams
 EOS = 0
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, max_model_len=64,
-                   prefix_caching=True):
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             max_model_len=max_model_len)
+def make_scheduler(
+    num_blocks=16, block_size=4, max_num_seqs=4, budget=64, max_model_len=64, prefix_caching=True
+):
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len
+    )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
 
 
 def add(scheduler, request_id, num_prompt, max_tokens=4, first_token=1):
     prompt = [first_token + i for i in range(num_prompt)]
-    request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens),
-                      frozenset({EOS}))
+    request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), frozenset({EOS}))
     scheduler.add_request(request)
     return request
 
@@ -29,8 +30,11 @@ def add(scheduler, request_id, num_prompt, max_tokens=4, first_token=1):
 def run_step(scheduler, token=7):
     """One schedule/update round that 'samples' `token` for every request that samples."""
     out = scheduler.schedule()
-    sampled = {r.request_id: token for r in out.requests
-               if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens}
+    sampled = {
+        r.request_id: token
+        for r in out.requests
+        if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
+    }
     deltas = scheduler.update(out, sampled, {})
     return out, deltas
 
@@ -107,8 +111,12 @@ def test_abort_in_every_state_returns_all_blocks():
 
 def test_eos_min_tokens_and_stop_token_ids():
     scheduler = make_scheduler()
-    request = Request("a", [1, 2], SamplingParams(max_tokens=10, min_tokens=2,
-                                                  stop_token_ids=[9]), frozenset({EOS}))
+    request = Request(
+        "a",
+        [1, 2],
+        SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[9]),
+        frozenset({EOS}),
+    )
     scheduler.add_request(request)
     _, deltas = run_step(scheduler, token=EOS)
     assert deltas[0].finish_reason is None  # min_tokens not reached
@@ -128,25 +136,32 @@ def test_randomized_soak_keeps_pool_invariants():
     """Thousands of steps of random arrivals, aborts and overlapping prompts."""
     for seed in range(3):
         rng = random.Random(seed)
-        scheduler = make_scheduler(num_blocks=24, block_size=4, max_num_seqs=6, budget=24,
-                                   max_model_len=48)
+        scheduler = make_scheduler(
+            num_blocks=24, block_size=4, max_num_seqs=6, budget=24, max_model_len=48
+        )
         prefixes = [[rng.randrange(1, 50) for _ in range(20)] for _ in range(3)]
         next_id = 0
         for _ in range(1500):
             if rng.random() < 0.3:
                 length = rng.randrange(1, 30)
                 prompt = (rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(30)])[:length]
-                request = Request(str(next_id), prompt,
-                                  SamplingParams(max_tokens=rng.randrange(1, 12)), frozenset({EOS}))
+                request = Request(
+                    str(next_id),
+                    prompt,
+                    SamplingParams(max_tokens=rng.randrange(1, 12)),
+                    frozenset({EOS}),
+                )
                 scheduler.add_request(request)
                 next_id += 1
             if scheduler.requests and rng.random() < 0.1:
                 scheduler.abort([rng.choice(list(scheduler.requests))])
             out = scheduler.schedule()
             assert out.total_num_tokens <= 24 and len(scheduler.running) <= 6
-            sampled = {r.request_id: rng.randrange(0, 50) for r in out.requests
-                       if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
-                       == r.num_tokens}
+            sampled = {
+                r.request_id: rng.randrange(0, 50)
+                for r in out.requests
+                if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
+            }
             scheduler.update(out, sampled, {})
             check_scheduler_invariants(scheduler)
         scheduler.abort(list(scheduler.requests))
