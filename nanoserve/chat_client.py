@@ -1,0 +1,479 @@
+"""`nanoserve chat`: an interactive terminal client for any OpenAI-compatible server.
+
+It streams each reply as it arrives (SSE from `/v1/chat/completions`, or `/v1/completions` in raw
+mode), keeps the conversation, and after each reply prints a dim line with the time to first
+token, the number of tokens and tokens/s. Ctrl-C during a reply closes the connection (the server
+then aborts the request) and returns to the prompt; Ctrl-C or Ctrl-D at the prompt quits.
+
+Only the standard library and httpx: the client never imports torch or the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_HISTORY_FILE = "~/.nanoserve_chat_history"
+
+HELP = """\
+Type a message and press Enter. Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the prompt quits.
+  /reset         forget the conversation (and the raw-mode text)
+  /system TEXT   set the system prompt (/system alone removes it)
+  /temp X        sampling temperature, e.g. 0 for greedy (/temp alone: the server's default)
+  /max N         at most N tokens per reply (/max alone: the server's default)
+  /raw           switch raw completion mode on or off: what you type is appended to the text so
+                 far and the model continues it (/v1/completions, for base models); an empty
+                 line lets the model continue
+  /history       show the conversation as it is sent
+  /help          this help
+  /quit          leave (also /exit)"""
+
+# C0 and C1 control characters except newline and tab: a model's output must not be able to move
+# the cursor, clear the screen or send escape sequences to the terminal.
+_CONTROL_CHARS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if c not in (9, 10)}
+
+
+class ClientError(Exception):
+    """A failure to show as one line: the server is unreachable or answered with an error."""
+
+
+@dataclass
+class ReplyStats:
+    """Timing and token counts of one streamed reply."""
+
+    ttft_s: float | None = None  # from sending the request to the first text
+    decode_s: float = 0.0  # from the first text to the last
+    num_tokens: int = 0  # the server's usage count when it sent one, else the text chunks
+    num_prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    is_interrupted: bool = False
+
+    def describe(self) -> str:
+        parts = [f"ttft {self.ttft_s:.3f} s" if self.ttft_s is not None else "no text"]
+        parts.append(f"{self.num_tokens} tokens")
+        if self.num_tokens > 1 and self.decode_s > 0:
+            # The tokens after the first over the time after the first: the decode speed.
+            parts.append(f"{(self.num_tokens - 1) / self.decode_s:.1f} tokens/s")
+        if self.num_prompt_tokens is not None:
+            parts.append(f"prompt {self.num_prompt_tokens} tokens")
+        if self.is_interrupted:
+            parts.append("interrupted")
+        elif self.finish_reason == "length":
+            parts.append("stopped at the token limit")
+        return " · ".join(parts)
+
+
+class OpenAIServer:
+    """The HTTP side: list models and stream the JSON chunks of a completion."""
+
+    def __init__(self, url: str, api_key: str | None, timeout_s: float) -> None:
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
+        self.http = self._new_client()
+
+    def _new_client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=self.timeout)
+
+    def reset_connections(self) -> None:
+        """Close every connection (the server sees the stream end) and start afresh."""
+        self.http.close()
+        self.http = self._new_client()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def list_models(self) -> list[str]:
+        try:
+            response = self.http.get("/v1/models")
+        except httpx.HTTPError as e:
+            raise ClientError(self._describe_transport_error(e)) from None
+        if response.status_code >= 400:
+            raise ClientError(self._describe_http_error(response))
+        try:
+            return [model["id"] for model in response.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise ClientError(f"{self.url}/v1/models did not answer with a model list") from None
+
+    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The JSON chunks of an SSE response, up to `data: [DONE]`; closing this closes it."""
+        try:
+            with self.http.stream("POST", path, json=body) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise ClientError(self._describe_http_error(response))
+                for line in response.iter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank lines between events, comments, other fields
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        message = f"the server sent a frame that is not JSON: {data[:80]!r}"
+                        raise ClientError(message) from None
+                    if "error" in chunk:
+                        raise ClientError(f"server error: {_error_message(chunk)}")
+                    yield chunk
+        except httpx.HTTPError as e:
+            raise ClientError(self._describe_transport_error(e)) from None
+
+    def _describe_transport_error(self, error: httpx.HTTPError) -> str:
+        if isinstance(error, httpx.ConnectError):
+            reason = str(error).split("] ", 1)[-1] or "connection failed"
+            return f"cannot reach {self.url} ({reason}); is the server running? (--url sets it)"
+        if isinstance(error, httpx.TimeoutException):
+            return f"{self.url} did not answer in time ({type(error).__name__}; see --timeout)"
+        return f"the connection to {self.url} failed: {error or type(error).__name__}"
+
+    def _describe_http_error(self, response: httpx.Response) -> str:
+        try:
+            message = _error_message(response.json())
+        except ValueError:
+            message = response.text.strip()[:200] or response.reason_phrase
+        hint = " (set --api-key or NANOSERVE_API_KEY)" if response.status_code == 401 else ""
+        return f"server error {response.status_code}: {message}{hint}"
+
+
+def _error_message(body: Any) -> str:
+    """The message of an OpenAI error body (`{"error": {"message": ...}}`) or FastAPI's."""
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body))
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        return str(error)
+    return str(body)
+
+
+class ChatSession:
+    """The conversation, the settings the commands change, and the read-reply loop."""
+
+    def __init__(self, server: OpenAIServer, args: argparse.Namespace, use_color: bool) -> None:
+        self.server = server
+        self.model: str | None = args.model
+        self.system: str | None = args.system
+        self.temperature: float | None = args.temperature
+        self.max_tokens: int | None = args.max_tokens
+        self.extra_body: dict[str, Any] = args.extra_body
+        self.is_raw: bool = args.raw
+        self.messages: list[dict[str, str]] = []  # user and assistant turns, no system prompt
+        self.raw_text = ""  # raw mode: everything typed and generated so far
+        self.use_color = use_color
+
+    # -- output
+
+    def dim(self, text: str) -> str:
+        return f"\x1b[2m{text}\x1b[0m" if self.use_color else text
+
+    def info(self, text: str) -> None:
+        print(self.dim(text), flush=True)
+
+    def error(self, text: str) -> None:
+        print(f"error: {text}", file=sys.stderr, flush=True)
+
+    # -- the loop
+
+    @property
+    def prompt(self) -> str:
+        return "raw> " if self.is_raw else "> "
+
+    def run(self) -> int:
+        self.info(f"nanoserve chat · {self.server.url} · /help for commands")
+        try:
+            self.info(f"model: {self.resolve_model()}")
+        except ClientError as e:
+            self.error(str(e))
+        while True:
+            try:
+                line = input(self.prompt)
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            try:
+                if not self.handle(line):
+                    return 0
+            except ClientError as e:
+                self.error(str(e))
+            except KeyboardInterrupt:
+                print()
+                self.info("interrupted")
+
+    def handle(self, line: str) -> bool:
+        """Run one line: a command or a message. False when the user asked to quit."""
+        if line.startswith("/"):
+            return self.command(line)
+        if self.is_raw:
+            self.complete_raw(line)
+        elif line.strip():
+            self.chat(line)
+        return True
+
+    def command(self, line: str) -> bool:
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if name in ("/quit", "/exit"):
+            return False
+        if name == "/help":
+            print(HELP)
+        elif name == "/reset":
+            self.messages.clear()
+            self.raw_text = ""
+            self.info("conversation cleared")
+        elif name == "/system":
+            self.system = arg or None
+            self.info(f"system prompt: {arg}" if arg else "no system prompt")
+        elif name == "/temp":
+            self.temperature = _parse_number(arg, float, "/temp", "a number ≥ 0, e.g. 0.7")
+            self.info(f"temperature: {_or_default(self.temperature)}")
+        elif name == "/max":
+            self.max_tokens = _parse_number(arg, int, "/max", "a whole number ≥ 1, e.g. 256")
+            self.info(f"max tokens per reply: {_or_default(self.max_tokens)}")
+        elif name == "/raw":
+            self.is_raw = not self.is_raw
+            self.info("raw completion mode (/raw again for chat)" if self.is_raw else "chat mode")
+        elif name == "/history":
+            self.show_history()
+        else:
+            self.error(f"unknown command {name}; /help lists the commands")
+        return True
+
+    def show_history(self) -> None:
+        if self.is_raw:
+            self.info(f"raw text ({len(self.raw_text)} characters):")
+            print(self.raw_text)
+            return
+        self.info(f"{len(self.messages)} messages" + (" + system prompt" if self.system else ""))
+        for message in self.request_messages():
+            print(f"{message['role']}: {message['content']}")
+
+    # -- requests
+
+    def resolve_model(self) -> str:
+        if self.model is None:
+            models = self.server.list_models()
+            if not models:
+                raise ClientError(f"{self.server.url} serves no models; give one with --model")
+            self.model = models[0]
+        return self.model
+
+    def request_messages(self) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.messages
+
+    def request_body(self, **fields: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.resolve_model(), **fields, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        return {**body, **self.extra_body}
+
+    def chat(self, text: str) -> None:
+        question = {"role": "user", "content": text}
+        body = self.request_body(messages=[*self.request_messages(), question])
+        reply, stats = self.stream_reply("/v1/chat/completions", body, _chat_text)
+        # An unanswered message (error, or ^C before any text) is left out, so that the user can
+        # send it again; an interrupted reply is kept as far as it was shown.
+        if reply or not stats.is_interrupted:
+            self.messages += [question, {"role": "assistant", "content": reply}]
+
+    def complete_raw(self, text: str) -> None:
+        body = self.request_body(prompt=self.raw_text + text)
+        print(self.dim(text), end="", flush=True)  # so that the continuation reads on from it
+        try:
+            continuation, _ = self.stream_reply("/v1/completions", body, _completion_text)
+        except ClientError:
+            if text:
+                print()  # the error goes on a line of its own
+            raise
+        self.raw_text += text + continuation
+
+    def stream_reply(
+        self,
+        path: str,
+        body: dict[str, Any],
+        text_of: Callable[[dict[str, Any]], tuple[str, str]],
+    ) -> tuple[str, ReplyStats]:
+        """Print a streamed reply as it comes; its text and stats. Ctrl-C ends it early."""
+        stats = ReplyStats()
+        pieces: list[str] = []
+        num_chunks = 0
+        start = first = last = time.perf_counter()
+        chunks = self.server.stream(path, body)
+        try:
+            for chunk in chunks:
+                if chunk.get("usage"):
+                    stats.num_prompt_tokens = chunk["usage"].get("prompt_tokens")
+                    stats.num_tokens = chunk["usage"].get("completion_tokens") or 0
+                for choice in chunk.get("choices") or []:
+                    stats.finish_reason = choice.get("finish_reason") or stats.finish_reason
+                text, reasoning = text_of(chunk)
+                if not (text or reasoning):
+                    continue
+                last = time.perf_counter()
+                if num_chunks == 0:
+                    first = last
+                    stats.ttft_s = first - start
+                num_chunks += 1
+                if reasoning:
+                    sys.stdout.write(self.dim(reasoning.translate(_CONTROL_CHARS)))
+                if text:
+                    sys.stdout.write(text.translate(_CONTROL_CHARS))
+                    pieces.append(text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            stats.is_interrupted = True
+            chunks.close()
+            self.server.reset_connections()  # the server sees the connection close and aborts
+        except ClientError:
+            if pieces:
+                print()
+            raise
+        if not stats.num_tokens:
+            stats.num_tokens = num_chunks
+        stats.decode_s = last - first
+        print()
+        self.info(stats.describe())
+        return "".join(pieces), stats
+
+
+def _chat_text(chunk: dict[str, Any]) -> tuple[str, str]:
+    """(content, reasoning) of a chat chunk's first choice."""
+    choices = chunk.get("choices") or [{}]
+    delta = choices[0].get("delta") or {}
+    reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+    return delta.get("content") or "", reasoning
+
+
+def _completion_text(chunk: dict[str, Any]) -> tuple[str, str]:
+    choices = chunk.get("choices") or [{}]
+    return choices[0].get("text") or "", ""
+
+
+def _parse_number(text: str, kind: type, command: str, allowed: str) -> Any:
+    """`text` as an int or float (None when empty); ClientError naming what is allowed."""
+    if not text:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ClientError(f"{command} takes {allowed}, got {text!r}") from None
+    if value < (1 if kind is int else 0):
+        raise ClientError(f"{command} takes {allowed}, got {text!r}")
+    return value
+
+
+def _or_default(value: Any) -> str:
+    return "the server's default" if value is None else str(value)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'must be a JSON object like {{"top_k": 20}}: {text!r}')
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=DEFAULT_URL, help="the server's base URL")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("NANOSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $NANOSERVE_API_KEY or $OPENAI_API_KEY)",
+    )
+    parser.add_argument("--model", help="model name (default: the first one the server lists)")
+    parser.add_argument("--system", help="system prompt")
+    parser.add_argument("--temperature", type=float, help="sampling temperature")
+    parser.add_argument("--max-tokens", type=int, help="most tokens per reply")
+    parser.add_argument("--raw", action="store_true", help="start in raw completion mode")
+    parser.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help='fields merged into every request, e.g. \'{"top_k": 20, "ignore_eos": true}\'',
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for the server to answer"
+    )
+    parser.add_argument(
+        "--history-file",
+        default=DEFAULT_HISTORY_FILE,
+        help="where readline keeps the lines you typed ('' for none)",
+    )
+
+
+def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `nanoserve chat` on the `nanoserve` command's subparsers."""
+    parser = subparsers.add_parser(
+        "chat",
+        help="chat with a running server in the terminal",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=run_chat)
+
+
+def _setup_readline(history_file: str) -> Callable[[], None]:
+    """Line editing and history for input(); returns what saves the history at exit."""
+    try:
+        import readline
+    except ImportError:  # e.g. Windows without pyreadline: input() still works, unedited
+        return lambda: None
+    if not history_file:
+        return lambda: None
+    path = Path(history_file).expanduser()
+    try:
+        readline.read_history_file(path)
+    except FileNotFoundError:
+        pass  # the first run
+    except OSError as e:
+        print(f"warning: cannot read the history file {path}: {e}", file=sys.stderr)
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            readline.write_history_file(path)
+        except OSError as e:
+            print(f"warning: cannot write the history file {path}: {e}", file=sys.stderr)
+
+    return save
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    if args.max_tokens is not None and args.max_tokens < 1:
+        print(f"--max-tokens must be ≥ 1, got {args.max_tokens}", file=sys.stderr)
+        return 2
+    use_color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    save_history = _setup_readline(args.history_file) if sys.stdin.isatty() else lambda: None
+    server = OpenAIServer(args.url, args.api_key, args.timeout)
+    try:
+        return ChatSession(server, args, use_color).run()
+    finally:
+        server.close()
+        save_history()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nanoserve chat", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_chat(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
