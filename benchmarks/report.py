@@ -1,0 +1,308 @@
+"""Tables (markdown, from the same rows the JSON holds), greedy-output comparison and plots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.client import RequestResult
+from benchmarks.metrics import distribution_ms, summarize
+from benchmarks.workloads import Workload
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table column: a key of the JSON row, its header, and whether it gets a ratio."""
+
+    key: str
+    header: str
+    digits: int = 1
+    ratio: bool = False
+
+
+COLUMNS: dict[str, list[Column]] = {
+    "scoreboard": [
+        Column("arm", "arm"),
+        Column("ttft_p50_ms", "TTFT p50 ms (c=1)", ratio=True),
+        Column("ttft_p99_ms", "TTFT p99 ms (c=1)"),
+        Column("single_stream_tok_s", "single-stream tok/s", ratio=True),
+        Column("decode_tok_s", "decode tok/s (1/TPOT, c=1)"),
+        Column("decode_pct_of_bound", "% of bandwidth bound"),
+        Column("concurrent_tok_s", "{c} streams: total tok/s", ratio=True),
+        Column("concurrent_per_stream_tok_s", "{c} streams: tok/s each"),
+        Column("num_errors", "errors", digits=0),
+        Column("greedy_match", "greedy outputs"),
+    ],
+    "sweep": [
+        Column("arm", "arm"),
+        Column("concurrency", "concurrency", digits=0),
+        Column("request_throughput", "req/s", digits=2),
+        Column("output_throughput", "output tok/s", ratio=True),
+        Column("ttft_p50_ms", "TTFT p50 ms", ratio=True),
+        Column("ttft_p99_ms", "TTFT p99 ms"),
+        Column("itl_p50_ms", "ITL p50 ms"),
+        Column("tpot_p50_ms", "TPOT p50 ms"),
+        Column("tpot_p99_ms", "TPOT p99 ms"),
+        Column("e2e_p50_ms", "e2e p50 ms"),
+        Column("num_errors", "errors", digits=0),
+        Column("greedy_match", "greedy outputs"),
+    ],
+    "autocomplete": [
+        Column("arm", "arm"),
+        Column("num_requests", "sent", digits=0),
+        Column("num_finished", "finished", digits=0),
+        Column("num_dropped", "dropped", digits=0),
+        Column("ttft_p50_ms", "TTFT p50 ms (finished)", ratio=True),
+        Column("ttft_p99_ms", "TTFT p99 ms (finished)", ratio=True),
+        Column("e2e_p50_ms", "e2e p50 ms (finished)"),
+        Column("num_errors", "errors", digits=0),
+        Column("greedy_match", "greedy outputs"),
+    ],
+    "shared-prefix": [
+        Column("arm", "arm"),
+        Column("ttft_p50_ms", "TTFT p50 ms", ratio=True),
+        Column("ttft_p99_ms", "TTFT p99 ms"),
+        Column("ttft_first_p50_ms", "TTFT p50 ms, first of group"),
+        Column("ttft_rest_p50_ms", "TTFT p50 ms, rest of group", ratio=True),
+        Column("output_throughput", "output tok/s", ratio=True),
+        Column("num_errors", "errors", digits=0),
+        Column("greedy_match", "greedy outputs"),
+    ],
+}
+
+ARM_COLUMNS = [
+    Column("name", "arm"),
+    Column("server", "server"),
+    Column("mode", "mode"),
+    Column("threads", "threads", digits=0),
+    Column("dtype", "dtype"),
+    Column("version", "version"),
+    Column("status", "status"),
+]
+
+
+def columns_for(workload: Workload) -> list[Column]:
+    concurrency = workload.params.get("concurrency", "")
+    return [
+        Column(c.key, c.header.format(c=concurrency), c.digits, c.ratio)
+        for c in COLUMNS[workload.name]
+    ]
+
+
+PhaseResults = dict[str, tuple[list[RequestResult], float]]  # phase label -> (results, wall s)
+
+
+def greedy_match(
+    ours: list[RequestResult], reference: list[RequestResult] | None
+) -> dict[str, int] | None:
+    """How many prompts both arms finished, and how many of those got identical text."""
+    if reference is None:
+        return None
+    pairs = [(a, b) for a, b in zip(ours, reference, strict=True) if a.is_ok and b.is_ok]
+    return {"compared": len(pairs), "identical": sum(a.text == b.text for a, b in pairs)}
+
+
+def _match_cell(matches: list[dict | None], arm: str, baseline: str) -> str:
+    if arm == baseline:
+        return "reference"
+    present = [m for m in matches if m is not None]
+    if not present:
+        return f"not compared ({baseline} has no results)"
+    identical = sum(m["identical"] for m in present)
+    compared = sum(m["compared"] for m in present)
+    return f"{identical}/{compared} same as {baseline}"
+
+
+def build_rows(
+    workload: Workload,
+    arm_results: dict[str, PhaseResults],
+    baseline: str,
+    bound_tok_s: float | None,
+) -> list[dict]:
+    """One row per arm (per arm and concurrency for the sweep), with ratios to `baseline`."""
+    rows: list[dict] = []
+    for arm, phases in arm_results.items():
+        reference = arm_results.get(baseline)
+        summaries = {label: summarize(*phases[label]) for label in phases}
+        matches = {
+            label: greedy_match(phases[label][0], reference[label][0] if reference else None)
+            for label in phases
+        }
+        if workload.name == "sweep":
+            for phase in workload.phases:
+                s = summaries[phase.label]
+                rows.append(
+                    {
+                        "arm": arm,
+                        "concurrency": phase.params["concurrency"],
+                        **_common(s),
+                        "request_throughput": s["request_throughput"],
+                        "output_throughput": s["output_throughput"],
+                        "itl_p50_ms": s["itl_ms"]["p50"],
+                        "tpot_p50_ms": s["tpot_ms"]["p50"],
+                        "tpot_p99_ms": s["tpot_ms"]["p99"],
+                        "greedy_match": _match_cell([matches[phase.label]], arm, baseline),
+                    }
+                )
+            continue
+        match = _match_cell(list(matches.values()), arm, baseline)
+        if workload.name == "scoreboard":
+            single, concurrent = (summaries[p.label] for p in workload.phases)
+            decode = single["decode_tok_s_mean"]
+            row = {
+                "arm": arm,
+                "ttft_p50_ms": single["ttft_ms"]["p50"],
+                "ttft_p99_ms": single["ttft_ms"]["p99"],
+                "single_stream_tok_s": single["per_stream_tok_s_mean"],
+                "decode_tok_s": decode,
+                "decode_pct_of_bound": (
+                    100.0 * decode / bound_tok_s if decode and bound_tok_s else None
+                ),
+                "concurrent_tok_s": concurrent["output_throughput"],
+                "concurrent_per_stream_tok_s": concurrent["per_stream_tok_s_mean"],
+                "num_errors": single["num_errors"] + concurrent["num_errors"],
+            }
+        elif workload.name == "autocomplete":
+            (s,) = summaries.values()
+            row = {
+                "arm": arm,
+                **_common(s),
+                "num_requests": s["num_requests"],
+                "num_finished": s["num_completed"],
+                "num_dropped": s["num_dropped"],
+            }
+        else:  # shared-prefix
+            (phase,) = workload.phases
+            results, _ = phases[phase.label]
+            first_seen: set[int] = set()
+            first, rest = [], []
+            for result, group in zip(results, phase.groups or [], strict=True):
+                if result.is_ok:
+                    (rest if group in first_seen else first).append(result.ttft_s)
+                first_seen.add(group)
+            (s,) = summaries.values()
+            row = {
+                "arm": arm,
+                **_common(s),
+                "ttft_first_p50_ms": distribution_ms(first)["p50"],
+                "ttft_rest_p50_ms": distribution_ms(rest)["p50"],
+                "output_throughput": s["output_throughput"],
+            }
+        row["greedy_match"] = match
+        rows.append(row)
+    _add_ratios(rows, columns_for(workload), baseline)
+    return rows
+
+
+def _common(summary: dict) -> dict:
+    return {
+        "ttft_p50_ms": summary["ttft_ms"]["p50"],
+        "ttft_p99_ms": summary["ttft_ms"]["p99"],
+        "e2e_p50_ms": summary["e2e_ms"]["p50"],
+        "num_errors": summary["num_errors"],
+    }
+
+
+def _add_ratios(rows: list[dict], columns: list[Column], baseline: str) -> None:
+    """row["ratios"][key] = row[key] / baseline row[key] (same concurrency for the sweep)."""
+    by_key = {(r["arm"], r.get("concurrency")): r for r in rows}
+    for row in rows:
+        base = by_key.get((baseline, row.get("concurrency")))
+        row["ratios"] = {}
+        for column in columns:
+            if not column.ratio:
+                continue
+            value = row.get(column.key)
+            reference = base.get(column.key) if base else None
+            row["ratios"][column.key] = value / reference if value and reference else None
+
+
+def _cell(value, digits: int) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def markdown_table(columns: list[Column], rows: list[dict], baseline: str | None = None) -> str:
+    headers = [c.header + (f" (× {baseline})" if c.ratio and baseline else "") for c in columns]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for column in columns:
+            cell = _cell(row.get(column.key), column.digits)
+            ratio = (row.get("ratios") or {}).get(column.key)
+            if column.ratio and ratio is not None and row.get("arm") != baseline:
+                cell += f" ({ratio:.2f}×)"
+            cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(
+    workload: Workload,
+    arm_results: dict[str, PhaseResults],
+    rows: list[dict],
+    out_dir,
+) -> list[str]:
+    """PNG plots: throughput and TTFT p50/p99 against concurrency (where there are several
+    levels) and the TTFT distribution of every arm. Returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    levels = [p.params.get("concurrency") for p in workload.phases]
+    if len(levels) > 1 and all(levels):
+        fig_tp, ax_tp = plt.subplots(figsize=(6, 4))
+        fig_ttft, ax_ttft = plt.subplots(figsize=(6, 4))
+        for arm, phases in arm_results.items():
+            summaries = [summarize(*phases[p.label]) for p in workload.phases]
+            ax_tp.plot(levels, [s["output_throughput"] for s in summaries], marker="o", label=arm)
+            (line,) = ax_ttft.plot(
+                levels, [s["ttft_ms"]["p50"] for s in summaries], marker="o", label=f"{arm} p50"
+            )
+            ax_ttft.plot(
+                levels,
+                [s["ttft_ms"]["p99"] for s in summaries],
+                marker="x",
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{arm} p99",
+            )
+        ax_ttft.set_yscale("log")  # queueing makes TTFT span orders of magnitude
+        for ax, fig, ylabel, name in (
+            (ax_tp, fig_tp, "output tokens/s", "throughput_vs_concurrency.png"),
+            (ax_ttft, fig_ttft, "time to first token (ms)", "ttft_vs_concurrency.png"),
+        ):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(levels, [str(c) for c in levels])
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{workload.name}: {ylabel} against concurrency")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(out_dir / name, dpi=120)
+            plt.close(fig)
+            written.append(name)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, phases in arm_results.items():
+        ttfts = sorted(
+            r.ttft_s * 1000 for results, _ in phases.values() for r in results if r.is_ok
+        )
+        if ttfts:
+            fractions = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+            ax.step(ttfts, fractions, where="post", label=f"{arm} ({len(ttfts)} requests)")
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"{workload.name}: TTFT distribution (all phases)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "ttft_distribution.png", dpi=120)
+    plt.close(fig)
+    written.append("ttft_distribution.png")
+    return written
