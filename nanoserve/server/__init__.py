@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front: routes, protocol, serving logic, metrics, errors."""

@@ -1,0 +1,362 @@
+"""EngineClient: how the front talks to an engine. One interface, two implementations.
+
+- `ZmqEngineClient` (the server): the engine lives in a worker process; messages go over ZMQ.
+  It watches the worker, fails in-flight requests when it dies and starts a new one.
+- `InProcessEngineClient` (tests, offline use): the same worker loop runs in a thread.
+
+Both route each step's deltas to per-request `RequestStream`s on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.outputs import EngineStats, RequestDelta
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.worker.messages import (
+    AbortRequests,
+    AddRequest,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    StepOutputs,
+    WorkerFailed,
+)
+from nanoserve.worker.process import WorkerProcess, serve_engine
+from nanoserve.worker.transport import FrontSockets, IpcDirectory
+
+logger = logging.getLogger("nanoserve.server")
+
+POLL_S = 0.1  # how often the front checks that a silent worker is still alive
+
+
+class EngineDeadError(RuntimeError):
+    """The worker died or is not ready: the request cannot be (or finish being) served."""
+
+
+class EngineStartError(RuntimeError):
+    """The worker failed before it became ready."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine refused one request (the front's validation should have caught it)."""
+
+
+class RequestStream:
+    """Deltas of one API request's engine requests (its n choices), in arrival order.
+
+    `get` raises the engine's error (e.g. EngineDeadError) if it fails mid-way.
+    """
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
+
+    def put(self, item: RequestDelta | Exception) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> RequestDelta:
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def get_nowait(self) -> RequestDelta | None:
+        """The next delta if one is already queued (to handle bursts together), else None."""
+        if self._queue.empty():
+            return None
+        item = self._queue.get_nowait()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+class EngineClient:
+    """Routes engine outputs to request streams. Subclasses move the messages."""
+
+    def __init__(self) -> None:
+        self.info: Ready | None = None  # set once the engine is ready; kept while restarting
+        self.stats = EngineStats()
+        self.on_stats: Callable[[EngineStats], None] | None = None
+        self._is_ready = False
+        self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream
+        self._unstarted_ids: set[str] = set()  # added, no token yet (waiting or in prefill)
+
+    @property
+    def is_ready(self) -> bool:
+        return self._is_ready
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_unstarted(self) -> int:
+        return len(self._unstarted_ids)
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        raise NotImplementedError
+
+    def _send(self, message: msgspec.Struct) -> bool:
+        raise NotImplementedError
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stream: RequestStream,
+    ) -> None:
+        """Queue one (n == 1) engine request; its deltas will arrive on `stream`."""
+        if not self._is_ready:
+            raise EngineDeadError("the model worker is not ready")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = stream
+        self._unstarted_ids.add(request_id)
+        message = AddRequest(request_id, list(prompt_token_ids), params, time.monotonic())
+        if not self._send(message):
+            self._remove(request_id)
+            raise EngineDeadError("the model worker is not reachable")
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests in the engine (frees their KV blocks); late deltas are dropped."""
+        live_ids = [i for i in request_ids if self._remove(i)]
+        if live_ids and self._is_ready:
+            self._send(AbortRequests(live_ids))
+
+    def _remove(self, request_id: str) -> bool:
+        self._unstarted_ids.discard(request_id)
+        return self._streams.pop(request_id, None) is not None
+
+    def _on_message(self, message: msgspec.Struct) -> None:
+        if isinstance(message, StepOutputs):
+            for delta in message.deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is None:
+                    continue  # aborted by the front; the worker had not seen the abort yet
+                self._unstarted_ids.discard(delta.request_id)
+                if delta.finish_reason is not None:
+                    del self._streams[delta.request_id]
+                stream.put(delta)
+            self.stats = message.stats
+            if self.on_stats is not None:
+                self.on_stats(message.stats)
+        elif isinstance(message, RequestFailed):
+            stream = self._streams.get(message.request_id)
+            if stream is not None:
+                self._remove(message.request_id)
+                stream.put(RequestRejectedError(message.message))
+        else:
+            logger.warning("unexpected message from the worker: %s", type(message).__name__)
+
+    def _fail_all(self, error: Exception) -> None:
+        streams = set(self._streams.values())
+        self._streams.clear()
+        self._unstarted_ids.clear()
+        for stream in streams:
+            stream.put(error)
+
+
+class ZmqEngineClient(EngineClient):
+    """The engine in a worker process, over ZMQ; restarts the worker when it dies."""
+
+    def __init__(
+        self, config: EngineConfig, log_level: str = "info", restart_delay_s: float = 1.0
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.log_level = log_level
+        self.restart_delay_s = restart_delay_s
+        self.num_restarts = 0
+        self._ipc = IpcDirectory()
+        self._generation = 0
+        self._sockets: FrontSockets | None = None
+        self._worker: WorkerProcess | None = None
+        self._supervisor: asyncio.Task | None = None
+        self._is_closing = False
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._worker.pid if self._worker is not None else None
+
+    async def start(self) -> None:
+        """Start the worker and wait until it is ready (raises EngineStartError if it fails)."""
+        try:
+            await self._start_worker()
+        except BaseException:
+            self._stop_worker_now()
+            self._ipc.cleanup()
+            raise
+        self._supervisor = asyncio.create_task(self._supervise(), name="nanoserve-supervisor")
+
+    async def _start_worker(self) -> None:
+        self._generation += 1
+        addresses = self._ipc.addresses(self._generation)
+        self._sockets = FrontSockets(addresses)
+        start = time.perf_counter()
+        self._worker = WorkerProcess(self.config, addresses, self.log_level)
+        while True:
+            message = await self._sockets.recv(POLL_S)
+            if message is None:
+                if not self._worker.is_alive():
+                    raise EngineStartError(
+                        f"the model worker exited with code {self._worker.returncode} "
+                        "before it was ready (see its log above)"
+                    )
+                continue
+            if isinstance(message, WorkerFailed):
+                raise EngineStartError(f"the model worker failed to start: {message.message}")
+            if isinstance(message, Ready):
+                break
+        self.info = message
+        self._is_ready = True
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "worker %d ready in %.1f s (weights %.2f s, KV sizing %.2f s, warm-up %.2f s, "
+            "process start and imports %.2f s); KV cache: %d blocks x %d tokens = %d tokens; "
+            "max_model_len %d",
+            message.pid,
+            elapsed,
+            message.load_time_s,
+            message.kv_sizing_time_s,
+            message.warmup_time_s,
+            elapsed - message.load_time_s - message.kv_sizing_time_s - message.warmup_time_s,
+            message.num_kv_blocks,
+            message.block_size,
+            message.num_kv_blocks * message.block_size,
+            message.max_model_len,
+        )
+
+    async def _supervise(self) -> None:
+        """Receive outputs; when the worker dies, fail in-flight requests and start another."""
+        while not self._is_closing:
+            reason = await self._receive_until_worker_dies()
+            if self._is_closing:
+                return
+            self._is_ready = False
+            logger.error("model worker died (%s); failing in-flight requests, restarting", reason)
+            self._fail_all(EngineDeadError(f"the model worker died ({reason})"))
+            self._stop_worker_now()
+            self.stats = EngineStats()
+            if self.on_stats is not None:
+                self.on_stats(self.stats)
+            while not self._is_closing:
+                try:
+                    await self._start_worker()
+                    self.num_restarts += 1
+                    break
+                except EngineStartError as e:
+                    logger.error("%s; retrying in %.1f s", e, self.restart_delay_s)
+                    self._stop_worker_now()
+                    await asyncio.sleep(self.restart_delay_s)
+
+    async def _receive_until_worker_dies(self) -> str:
+        assert self._sockets is not None and self._worker is not None
+        while True:
+            message = await self._sockets.recv(POLL_S)
+            if message is None:
+                if not self._worker.is_alive():
+                    return f"exit code {self._worker.returncode}"
+                continue
+            if isinstance(message, WorkerFailed):
+                logger.error("worker error: %s\n%s", message.message, message.traceback)
+                return message.message
+            self._on_message(message)
+
+    def _send(self, message: msgspec.Struct) -> bool:
+        return self._sockets is not None and self._sockets.send(message)
+
+    def _stop_worker_now(self) -> None:
+        if self._worker is not None:
+            self._worker.kill()
+            self._worker = None
+        if self._sockets is not None:
+            self._sockets.close()
+            self._sockets = None
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Tell the worker to exit, wait for it (kill it after `timeout_s`), clean up sockets."""
+        self._is_closing = True
+        self._is_ready = False
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        if self._worker is not None and self._sockets is not None:
+            self._sockets.send(Shutdown())
+            await asyncio.to_thread(self._worker.stop, timeout_s)
+        self._stop_worker_now()
+        self._ipc.cleanup()
+
+    def kill_now(self) -> None:
+        """Last resort (atexit): kill the worker and remove the socket directory."""
+        self._stop_worker_now()
+        self._ipc.cleanup()
+
+
+class InProcessEngineClient(EngineClient):
+    """An `Engine` (or anything with its API) stepped by the worker loop in a thread."""
+
+    def __init__(self, engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        stats = self.engine.stats()
+        self.info = Ready(
+            pid=os.getpid(),
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size,
+            num_kv_blocks=stats.num_kv_blocks,
+            block_size=stats.block_size,
+            load_time_s=0.0,
+            kv_sizing_time_s=0.0,
+            warmup_time_s=0.0,
+        )
+        self._thread = threading.Thread(
+            target=serve_engine,
+            args=(self.engine, self._recv, self._send_to_front),
+            name="nanoserve-engine",
+            daemon=True,
+        )
+        self._thread.start()
+        self._is_ready = True
+
+    def _recv(self, timeout_s: float):
+        try:
+            return self._inbox.get(timeout=timeout_s) if timeout_s else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _send_to_front(self, message: msgspec.Struct) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._on_message, message)
+
+    def _send(self, message: msgspec.Struct) -> bool:
+        self._inbox.put(message)
+        return True
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._is_ready = False
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        if self._thread is not None:
+            self._inbox.put(Shutdown())
+            await asyncio.to_thread(self._thread.join, timeout_s)

@@ -1,0 +1,117 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Anything a client can send is answered with a 4xx that says what was wrong; a 500 means a bug
+in the server and is logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("nanoserve.server")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+# Names pydantic puts in an error's location for the member of a union that failed.
+_UNION_MEMBER_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+class APIError(Exception):
+    """An error to answer with `status_code` and an OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status_code, self.param)
+
+
+def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:
+    error_type = ERROR_TYPES.get(status_code, "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status_code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """A 400 naming the first invalid field (pydantic's errors, with union members folded)."""
+    if not errors:
+        return APIError("the request body is invalid")
+    first = errors[0]
+    path = []
+    for part in first.get("loc", ()):
+        if part == "body":
+            continue
+        if isinstance(part, str) and (part in _UNION_MEMBER_NAMES or "[" in part):
+            break  # "prompt.list[int]" -> "prompt": the field, not the union member tried
+        path.append(str(part))
+    param = ".".join(path) or None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        message = f"{param} is required"
+    elif param is not None:
+        message = f"{param}: {message}"
+        if "input" in first and first.get("type") != "extra_forbidden":
+            message += f" (got {_short_repr(first['input'])})"
+    return APIError(message, 400, param)
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error, including FastAPI's own, answer in OpenAI's shape (400, never 422)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(list(exc.errors())))
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic_validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return error_response(validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route for {request.method} {request.url.path}"
+        error = APIError(message, exc.status_code, headers=getattr(exc, "headers", None))
+        return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def _server_bug(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(APIError(f"internal server error: {type(exc).__name__}", 500))

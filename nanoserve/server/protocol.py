@@ -1,0 +1,238 @@
+"""The OpenAI-compatible API's request and response bodies, as pydantic models.
+
+Unknown request fields are ignored (clients send many). Ranges are checked by `SamplingParams`,
+so that the server and the offline `LLM` give the same messages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+TokenIds = list[StrictInt]
+
+
+class OpenAIModel(BaseModel):
+    """Base of every request body: unknown fields are accepted and dropped."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    """`stream_options`: whether to end a stream with a usage chunk."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Sampling and stopping fields shared by completions and chat completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    seed: int | None = None
+    n: int = 1
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    suffix: str | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ContentPart(OpenAIModel):
+    """One part of a message's content; only `{"type": "text", "text": ...}` is served."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    """One chat message. Extra keys (name, tool_calls, ...) reach the template unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+# ---- responses ----
+
+
+class UsageInfo(BaseModel):
+    """Token counts of one request (all its choices)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion (also the shape of a stream chunk's choice)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or one chunk of a streamed one (`object` differs only in name)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    """One alternative token at a position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """The chosen token at a position and its `top_logprobs` alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """Chat logprobs: one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant's reply."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice of a chat stream chunk; `delta` holds only what is new."""
+
+    index: int
+    delta: dict[str, str]
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One chunk of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "nanoserve"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

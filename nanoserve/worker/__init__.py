@@ -1,0 +1,1 @@
+"""The model-worker process: owns the engine, speaks typed messages over ZMQ."""

@@ -1,0 +1,189 @@
+"""The worker process: load the engine, say Ready, then drain → step → send until told to stop.
+
+Run by the front as `python -m nanoserve.worker.process ...` (a fresh interpreter: no fork of a
+process holding threads, sockets or CUDA state). `serve_engine` is the loop itself; the
+in-process engine client runs the same loop in a thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import msgspec
+
+from nanoserve.config import EngineConfig
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.worker.messages import (
+    AbortRequests,
+    AddRequest,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    StepOutputs,
+    WorkerFailed,
+)
+from nanoserve.worker.transport import WorkerAddresses, WorkerSockets
+
+logger = logging.getLogger("nanoserve.worker")
+
+IDLE_POLL_S = 0.5  # how long an idle worker blocks on its socket before checking its parent
+
+
+def serve_engine(
+    engine,
+    recv: Callable[[float], object],
+    send: Callable[[msgspec.Struct], None],
+    should_exit: Callable[[], bool] = lambda: False,
+) -> None:
+    """The worker loop. Blocks on `recv` only when the engine has nothing to run.
+
+    After a batch of messages changed something (a new request, an abort) the engine's stats
+    are sent even when no step runs, so the front sees freed KV blocks at once.
+    """
+    while not should_exit():
+        is_idle = not engine.has_unfinished_requests()
+        is_changed = False
+        while True:
+            message = recv(IDLE_POLL_S if is_idle and not is_changed else 0)
+            if message is None:
+                if is_idle and not is_changed and not should_exit():
+                    continue  # nothing to do: keep waiting
+                break
+            if isinstance(message, Shutdown):
+                return
+            _handle(engine, message, send)
+            is_changed = True
+        if engine.has_unfinished_requests():
+            deltas = engine.step()
+            send(StepOutputs(deltas=deltas, stats=engine.stats()))
+        elif is_changed:
+            send(StepOutputs(deltas=[], stats=engine.stats()))
+
+
+def _handle(engine, message, send: Callable[[msgspec.Struct], None]) -> None:
+    if isinstance(message, AddRequest):
+        try:
+            engine.add_request(
+                message.request_id, message.prompt_token_ids, message.params, message.arrival_time
+            )
+        except ValueError as e:  # the engine refused this request; the worker is fine
+            send(RequestFailed(request_id=message.request_id, message=str(e)))
+    elif isinstance(message, AbortRequests):
+        engine.abort(message.request_ids)
+    else:
+        raise TypeError(f"unexpected message for the worker: {type(message).__name__}")
+
+
+def warm_up(engine) -> None:
+    """One tiny greedy generation, so the first real request does not pay for lazy init."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request("warmup", [1, 2, 3, 4], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def run_worker(config: EngineConfig, addresses: WorkerAddresses, parent_pid: int) -> int:
+    """Body of the worker process; returns its exit code."""
+    from nanoserve.engine.engine import Engine  # heavy import, only in the worker
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
+    sockets = WorkerSockets(addresses)
+    try:
+        engine = Engine(config)
+        started = time.perf_counter()
+        warm_up(engine)
+        stats = engine.stats()
+        sockets.send(
+            Ready(
+                pid=os.getpid(),
+                max_model_len=engine.max_model_len,
+                vocab_size=engine.vocab_size,
+                num_kv_blocks=stats.num_kv_blocks,
+                block_size=stats.block_size,
+                load_time_s=engine.load_time_s,
+                kv_sizing_time_s=engine.kv_sizing_time_s,
+                warmup_time_s=time.perf_counter() - started,
+            )
+        )
+        serve_engine(engine, sockets.recv, sockets.send, lambda: os.getppid() != parent_pid)
+        return 0
+    except Exception as e:
+        logger.exception("worker failed")
+        message = f"{type(e).__name__}: {e}"
+        sockets.send(WorkerFailed(message=message, traceback=traceback.format_exc()))
+        return 1
+    finally:
+        sockets.close()
+
+
+class WorkerProcess:
+    """The front's handle on one worker process."""
+
+    def __init__(
+        self, config: EngineConfig, addresses: WorkerAddresses, log_level: str = "info"
+    ) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "nanoserve.worker.process",
+            "--to-worker",
+            addresses.to_worker,
+            "--to-front",
+            addresses.to_front,
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-level",
+            log_level,
+            "--config",
+            msgspec.json.encode(config).decode(),
+        ]
+        self._popen = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        self.pid = self._popen.pid
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Wait up to `timeout_s` for the worker to exit (after Shutdown), then kill it."""
+        try:
+            self._popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("worker %d did not exit in %.1f s; killing it", self.pid, timeout_s)
+            self._popen.kill()
+            self._popen.wait()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+        self._popen.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="nanoserve model worker (started by the front)")
+    parser.add_argument("--to-worker", required=True)
+    parser.add_argument("--to-front", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s worker: %(message)s"
+    )
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    return run_worker(config, WorkerAddresses(args.to_worker, args.to_front), args.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Server fixtures: real server processes, shared per session where possible."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cycle_model import make_cycle_checkpoint
+from server_utils import API_KEY, ServerProcess
+
+from nanoserve.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen3 checkpoint (byte tokenizer, 1024 positions)."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", max_position_embeddings=1024
+    )
+
+
+@pytest.fixture(scope="session")
+def cycle_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint whose greedy output spells CYCLE_TEXT over and over."""
+    return make_cycle_checkpoint(tmp_path_factory.mktemp("cycle"))
+
+
+def _serve(model: Path, tmp_path_factory: pytest.TempPathFactory, *args: str):
+    server = ServerProcess(model, tmp_path_factory.mktemp("log") / "server.log", *args)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The shared server: random tiny model, served as `tiny` and `tiny-alias`."""
+    yield from _serve(tiny_model, tmp_path_factory, "--served-model-name", "tiny", "tiny-alias")
+
+
+@pytest.fixture(scope="session")
+def cycle_server(
+    cycle_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A server of the cycle model that requires API_KEY."""
+    yield from _serve(
+        cycle_model, tmp_path_factory, "--served-model-name", "cycle", "--api-key", API_KEY
+    )

@@ -1,0 +1,94 @@
+"""Clients that go away: their requests are aborted in the worker and their KV blocks freed."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+from server_utils import ServerProcess, read_metrics
+
+DISCONNECTED = "vllm:http_requests_client_disconnected_total"
+
+
+def open_request(port: int, path: str, body: dict) -> socket.socket:
+    """Send a POST on a raw socket and return the socket, response unread."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    received = b""
+    while marker not in received:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before {marker!r}: {received[-300:]!r}"
+        received += chunk
+    return received
+
+
+def wait_until_idle(url: str, timeout_s: float) -> dict[str, float]:
+    """Poll /metrics until nothing runs and no KV block is used; return the last metrics."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = read_metrics(url)
+        is_idle = metrics["vllm:num_requests_running"] == 0
+        if is_idle and metrics["vllm:kv_cache_usage_perc"] == 0:
+            return metrics
+        assert time.monotonic() < deadline, f"still busy after {timeout_s} s: {metrics}"
+        time.sleep(0.02)
+
+
+LONG = {"prompt": "tell me a long story", "max_tokens": 900, "ignore_eos": True}
+
+
+def test_closing_a_stream_aborts_the_request(server: ServerProcess) -> None:
+    before = read_metrics(server.url)[DISCONNECTED]
+    sock = open_request(server.port, "/v1/completions", {**LONG, "stream": True})
+    read_until(sock, b"data: {")
+    started = time.monotonic()
+    read_until(sock, b"data: {" * 1 + b"\n\ndata: {")  # a second token: one engine step
+    step_s = time.monotonic() - started
+    assert read_metrics(server.url)["vllm:num_requests_running"] == 1
+    sock.close()
+    # 1 s, or one engine step if a loaded machine makes steps that slow.
+    metrics = wait_until_idle(server.url, timeout_s=max(1.0, 2 * step_s))
+    assert metrics[DISCONNECTED] == before + 1
+
+
+def test_abandoning_a_plain_request_aborts_it(server: ServerProcess) -> None:
+    before = read_metrics(server.url)[DISCONNECTED]
+    sock = open_request(server.port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900, "ignore_eos": True,
+    })  # fmt: skip
+    deadline = time.monotonic() + 30
+    while read_metrics(server.url)["vllm:num_requests_running"] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    sock.close()
+    metrics = wait_until_idle(server.url, timeout_s=1.0)
+    assert metrics[DISCONNECTED] == before + 1
+
+
+def test_many_dropped_streams_then_a_normal_request(server: ServerProcess) -> None:
+    before = read_metrics(server.url)[DISCONNECTED]
+    sockets = [
+        open_request(server.port, "/v1/completions", {**LONG, "prompt": f"{i}", "stream": True})
+        for i in range(100)
+    ]
+    for sock in sockets:  # like autocomplete: each dropped once its first token arrives
+        read_until(sock, b"data: {")
+        sock.close()
+    started = time.monotonic()
+    response = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 4}, timeout=30
+    )
+    assert response.status_code == 200 and time.monotonic() - started < 5.0
+    metrics = wait_until_idle(server.url, timeout_s=5.0)
+    assert metrics[DISCONNECTED] == before + 100

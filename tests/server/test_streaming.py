@@ -1,0 +1,138 @@
+"""Raw SSE over httpx: exact frames, usage chunk, [DONE], stop strings, multi-byte text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from cycle_model import CYCLE_TEXT
+from server_utils import API_KEY, ServerProcess
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def sse_frames(body: str) -> list[str]:
+    """The `data:` payloads of a complete SSE body, checking the framing on the way."""
+    assert body.endswith("data: [DONE]\n\n"), body[-200:]
+    events = body.split("\n\n")
+    assert events[-1] == ""  # every event, the last included, ends with a blank line
+    payloads = []
+    for event in events[:-1]:
+        assert event.startswith("data: ") and "\n" not in event, event
+        payloads.append(event[len("data: ") :])
+    return payloads
+
+
+def stream(url: str, path: str, body: dict) -> list[str]:
+    with httpx.stream("POST", f"{url}{path}", json=body, headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return sse_frames(response.read().decode())
+
+
+def test_completion_frames_exactly(cycle_server: ServerProcess) -> None:
+    body = {
+        "model": "cycle", "prompt": "H", "max_tokens": 5, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    frames = stream(cycle_server.url, "/v1/completions", body)
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f) for f in frames[:-1]]
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    assert all(c["object"] == "text_completion" and c["model"] == "cycle" for c in chunks)
+    # 5 byte tokens: é (2 bytes) then 世 (3 bytes); a character is sent only once complete.
+    assert [c["choices"] for c in chunks[:2]] == [
+        [{"index": 0, "text": "é", "logprobs": None, "finish_reason": None, "stop_reason": None}],
+        [{"index": 0, "text": "世", "logprobs": None, "finish_reason": "length",
+          "stop_reason": None}],
+    ]  # fmt: skip
+    assert chunks[2]["choices"] == []
+    assert chunks[2]["usage"]["prompt_tokens"] == 1
+    assert chunks[2]["usage"]["completion_tokens"] == 5
+    assert chunks[2]["usage"]["total_tokens"] == 6
+    assert len(chunks) == 3
+
+
+def test_chat_frames(cycle_server: ServerProcess) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+        "stream": True,
+    }  # fmt: skip
+    frames = stream(cycle_server.url, "/v1/chat/completions", body)
+    chunks = [json.loads(f) for f in frames[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    contents = [c["choices"][0]["delta"].get("content", "") for c in chunks[1:]]
+    assert "".join(contents) == "Hé"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["usage"] is None for c in chunks)  # no include_usage: no usage chunk
+
+
+def test_multibyte_characters_are_never_split(cycle_server: ServerProcess) -> None:
+    body = {"prompt": "\n", "max_tokens": 60, "temperature": 0, "stream": True}
+    chunks = [json.loads(f) for f in stream(cycle_server.url, "/v1/completions", body)[:-1]]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert all(texts) and not any("\ufffd" in t for t in texts)
+    expected = (CYCLE_TEXT[1:] + CYCLE_TEXT[0]) * 10
+    assert "".join(texts) == expected[: len("".join(texts))]
+    assert len("".join(texts).encode()) == 60
+
+
+@pytest.mark.parametrize(
+    ("prompt", "stop", "include", "expected"),
+    [
+        ("H", "世🎉!", False, "é"),
+        ("H", "世🎉!", True, "é世🎉!"),
+        ("\n", "é世", False, "H"),
+        ("\n", ["🎉", "世"], False, "Hé"),  # the first to appear wins
+    ],
+)
+def test_stop_string_spanning_tokens_never_leaks(
+    cycle_server: ServerProcess, prompt: str, stop, include: bool, expected: str
+) -> None:
+    body = {
+        "prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop,
+        "include_stop_str_in_output": include,
+    }  # fmt: skip
+    plain = httpx.post(f"{cycle_server.url}/v1/completions", json=body, headers=AUTH).json()
+    frames = stream(cycle_server.url, "/v1/completions", {**body, "stream": True})
+    choices = [json.loads(f)["choices"][0] for f in frames[:-1]]
+    streamed = "".join(c["text"] for c in choices)
+    assert streamed == plain["choices"][0]["text"] == expected
+    stop_reason = stop if isinstance(stop, str) else "世"
+    assert choices[-1]["finish_reason"] == plain["choices"][0]["finish_reason"] == "stop"
+    assert choices[-1]["stop_reason"] == plain["choices"][0]["stop_reason"] == stop_reason
+
+
+def test_32_concurrent_streams_equal_each_alone(server: ServerProcess) -> None:
+    prompts = [f"prompt number {i}: " + "x" * i for i in range(32)]
+
+    def body(prompt: str, stream: bool) -> dict:
+        return {
+            "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "stream": stream,
+        }  # fmt: skip
+
+    alone = [
+        httpx.post(f"{server.url}/v1/completions", json=body(p, False), timeout=60).json()
+        for p in prompts
+    ]
+    alone_texts = [r["choices"][0]["text"] for r in alone]
+
+    async def one_stream(client: httpx.AsyncClient, prompt: str) -> str:
+        text = ""
+        async with client.stream("POST", "/v1/completions", json=body(prompt, True)) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def all_streams() -> list[str]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one_stream(client, p) for p in prompts))
+
+    assert asyncio.run(all_streams()) == alone_texts
