@@ -12,8 +12,11 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 logger = logging.getLogger("nanoserve")
+
+DEMO_MODEL_DIR = Path(__file__).parent / "assets" / "demo"
 
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _SIZE_UNITS.update({"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40})
@@ -33,6 +36,12 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
+    from nanoserve.chat_client import add_chat_parser as add_parser
+
+    add_parser(subparsers)
+
+
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -43,7 +52,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     parser.add_argument(
-        "--model", help="checkpoint directory or Hugging Face hub id (e.g. Qwen/Qwen3-1.7B)"
+        "--model",
+        help="checkpoint directory or Hugging Face hub id (e.g. Qwen/Qwen3-1.7B); default: the "
+        "small demo model shipped in the package (a toy that completes Python code)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -135,21 +146,47 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description="A small LLM inference server.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve_parser(subparsers)
+    add_chat_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark OpenAI-compatible servers (benchmarks/serve_bench.py; needs a checkout)",
+        add_help=False,
+    )
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER)
+    parser.set_defaults(handler=lambda args: run_bench(args.bench_args))
+
+
+def run_bench(bench_args: list[str]) -> int:
+    """Run benchmarks/serve_bench.py from the source checkout this package is installed from."""
+    checkout = Path(__file__).resolve().parent.parent
+    if not (checkout / "benchmarks" / "serve_bench.py").is_file():
+        print(
+            "nanoserve bench: benchmarks/serve_bench.py is not next to this installation; "
+            "install nanoserve from a source checkout with `pip install -e .`",
+            file=sys.stderr,
+        )
+        return 2
+    sys.path.insert(0, str(checkout))
+    from benchmarks.serve_bench import main as bench_main
+
+    return bench_main(bench_args) or 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from nanoserve.config import EngineConfig
+    from nanoserve.engine.loader import resolve_model_path
     from nanoserve.server.app import ServerConfig, create_app
     from nanoserve.server.engine_client import ZmqEngineClient
     from nanoserve.tokenizer import load_tokenizer
 
-    model = args.model or args.model_pos
-    if model is None:
-        print("nanoserve serve: give the model with --model (or as MODEL)", file=sys.stderr)
-        return 2
+    model = args.model or args.model_pos or str(DEMO_MODEL_DIR)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -176,7 +213,9 @@ def run_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key or None,
             max_waiting_requests=args.max_waiting_requests,
         )
-        tokenizer = load_tokenizer(model, chat_template=args.chat_template)
+        # The dummy format needs no download: its directory holds a preset config and tokenizer.
+        tokenizer_dir = resolve_model_path(model, args.load_format)
+        tokenizer = load_tokenizer(tokenizer_dir, chat_template=args.chat_template)
     except ValueError as e:
         print(f"nanoserve serve: {e}", file=sys.stderr)
         return 2
@@ -204,6 +243,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # every flag, --help included, belongs to the benchmark
+        return run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     return args.handler(args)
 
