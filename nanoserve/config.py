@@ -7,10 +7,12 @@ objects that discover them; they are never written back into a config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the HTTP front imports these configs and must not pay for importing torch
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be auto or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
@@ -122,6 +124,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be ≥ 1, got {self.max_num_seqs}")
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -130,9 +134,11 @@ class EngineConfig:
 
     def resolve_dtype(self, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
         """`auto` is the checkpoint's dtype, except float16 becomes bfloat16 on CPU."""
+        import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        dtype = DTYPES.get(checkpoint_dtype, torch.bfloat16)
+            return getattr(torch, self.dtype)
+        dtype = getattr(torch, checkpoint_dtype) if checkpoint_dtype in DTYPES else torch.bfloat16
         if dtype == torch.float16 and device.type == "cpu":
             return torch.bfloat16
         return dtype

@@ -65,6 +65,7 @@ class Engine:
             self.max_model_len,
             config.max_num_seqs,
             scheduler_config.max_num_batched_tokens,
+            enforce_eager=config.enforce_eager,
         )
         self.kv_sizing_time_s = time.perf_counter() - started
         kv_manager = KVCacheManager(

@@ -49,8 +49,16 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
+        # The fast path, switched on here only: decode steps run a torch.compile'd model
+        # (fused elementwise ops, one-token linears as weight-streaming reductions, attention
+        # as one opaque op). Prefill and mixed steps, and enforce_eager, run the plain model.
+        self.compiled_model = None if enforce_eager else torch.compile(model, dynamic=True)
+        self.compiled_logits = (
+            None if enforce_eager else torch.compile(model.compute_logits, dynamic=True)
+        )
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -131,30 +139,28 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = None
         torch.cuda.synchronize(self.device)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """One tensor [layers, 2, num_blocks, block_size, Hkv, D]; each layer gets its views.
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, a K and a V tensor [num_blocks, block_size, Hkv, D], bound to its layer.
 
-        Zero-filled so that slots not yet written hold finite values (they are masked, but
-        0 * NaN would still poison the attention output).
+        Separate tensors rather than views of one: torch.compile updates a cache in place only
+        when it aliases no other input. Zero-filled so that slots not yet written hold finite
+        values (they are masked, but 0 * NaN would still poison the attention output).
         """
         cfg = self.model_config
-        shape = (
-            cfg.num_hidden_layers,
-            2,
-            num_blocks,
-            self.block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for layer_index, layer in enumerate(self.model.attention_layers()):
-            layer.k_cache = kv_cache[layer_index, 0]
-            layer.v_cache = kv_cache[layer_index, 1]
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv_cache = []
+        for layer in self.model.attention_layers():
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            # Fixed shapes: keeps torch.compile from tying a cache dim to an equal batch size.
+            torch._dynamo.mark_static(layer.k_cache)
+            torch._dynamo.mark_static(layer.v_cache)
+            kv_cache.append((layer.k_cache, layer.v_cache))
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), up to %d tokens",
             num_blocks,
             self.block_size,
-            kv_cache.numel() * kv_cache.element_size() / 2**20,
+            num_blocks * self.kv_block_bytes / 2**20,
             num_blocks * self.block_size,
         )
         return kv_cache
@@ -167,10 +173,13 @@ class ModelRunner:
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """Run the scheduled tokens; return the sampled token (and logprobs) per request."""
         inputs = self.prepare_inputs(out)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_meta)  # [T, hidden]
+        model, compute_logits = self.model, self.model.compute_logits
+        if self.compiled_model is not None and inputs.attn_meta.is_decode_only:
+            model, compute_logits = self.compiled_model, self.compiled_logits
+        hidden = model(inputs.input_ids, inputs.positions, inputs.attn_meta)  # [T, hidden]
         if not inputs.sampling_requests:
             return {}, {}
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [S, vocab] float32
+        logits = compute_logits(hidden[inputs.sample_rows])  # [S, vocab] float32
         requests = inputs.sampling_requests
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],

@@ -28,6 +28,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     stop_reason: int | None = None  # the stop token id that ended the request, if any
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    queue_time_s: float | None = None  # arrival to first scheduled; set on the first delta only
 
 
 class EngineStats(msgspec.Struct):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the front imports FinishReason from here and never needs torch
+    import torch
 
 
 class RequestStatus(enum.IntEnum):

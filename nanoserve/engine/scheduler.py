@@ -19,6 +19,7 @@ was given is written by this step's forward pass.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -118,6 +119,8 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             self._schedule(out, request, num_new)
             budget -= num_new
@@ -181,12 +184,20 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
+                    queue_time_s=self._queue_time_once(request),
                 )
             )
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._finish(request, request.finish_reason)
         return deltas
+
+    @staticmethod
+    def _queue_time_once(request: Request) -> float | None:
+        """Seconds from arrival to first scheduled, reported with the first token only."""
+        if request.num_output_tokens != 1 or request.first_scheduled_time is None:
+            return None
+        return request.first_scheduled_time - request.arrival_time
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params

@@ -169,9 +169,8 @@ class RequestRun:
             choice.last_token_time = now
             choice.num_output_tokens += num_new
             self.metrics.generation_tokens.inc(num_new)
-        queue_time_s = getattr(delta, "queue_time_s", None)  # TODO(lead): add to RequestDelta
-        if queue_time_s is not None:
-            self.metrics.request_queue_time.observe(queue_time_s)
+        if delta.queue_time_s is not None:
+            self.metrics.request_queue_time.observe(delta.queue_time_s)
         text = choice.detokenizer.update(delta.new_token_ids)
         if choice.detokenizer.stop_reason is not None:
             # A stop string ended the text; the engine does not know it, so stop it there.

@@ -85,10 +85,124 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H, D]
         assert self.k_cache is not None, "KV cache not bound: call ModelRunner.bind_kv_cache"
-        # Write this step's keys and values into their slots: [num_slots, Hkv, D] views.
-        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        return reference_paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        if torch.compiler.is_compiling() and meta.is_decode_only:
+            # The cache write is an opaque in-place op (traced, index_copy_ would copy the
+            # whole cache); the attention itself is traced, so inductor fuses it.
+            torch.ops.nanoserve.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return decode_attention(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale
+            )
+        if torch.compiler.is_compiling():
+            # Any other batch: the cache write and the attention are one opaque op.
+            return torch.ops.nanoserve.paged_attention(
+                q, k, v, self.k_cache, self.v_cache, *_meta_tensors(meta), self.scale
+            )
+        return write_kv_and_attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+
+
+def write_kv_and_attend(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Write this step's keys and values into their slots, then attend over each context."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    return reference_paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def decode_attention(
+    query: torch.Tensor,  # [B, H, D]: one query token per request
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """Attention of one new token per request, written for torch.compile to fuse.
+
+    Same result as `reference_paged_attention` on a decode-only batch, but as gathers,
+    products and reductions that inductor turns into a few loops (no padding indexes, no
+    bf16 batched matmuls, which are slow on CPU at these shapes).
+    """
+    num_requests, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_context = block_tables.shape[1] * block_size
+    shape = (num_requests, max_context, num_kv_heads, 1, head_dim)
+    k = k_cache[block_tables].view(shape).float()  # [B, K, Hkv, 1, D]
+    v = v_cache[block_tables].view(shape).float()  # [B, K, Hkv, 1, D]
+    q = query.float().view(num_requests, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = (q * k).sum(-1) * scale  # [B, K, Hkv, group]
+    key_positions = torch.arange(max_context, device=query.device)  # [K]
+    is_visible = key_positions[None, :] < seq_lens[:, None]  # [B, K]
+    scores = scores.masked_fill(~is_visible[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)  # over the keys
+    out = (probs[..., None] * v).sum(1)  # [B, Hkv, group, D]
+    return out.reshape(num_requests, num_heads, head_dim).to(query.dtype)
+
+
+@torch.library.custom_op("nanoserve::write_kv", mutates_args=("k_cache", "v_cache"))
+def _write_kv_op(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _meta_tensors(meta: AttentionMetadata) -> list[torch.Tensor]:
+    return [
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_lens,
+        meta.query_pad_index,
+        meta.query_unpad_index,
+        meta.attn_mask,
+    ]
+
+
+@torch.library.custom_op("nanoserve::paged_attention", mutates_args=("k_cache", "v_cache"))
+def _paged_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    query_pad_index: torch.Tensor,
+    query_unpad_index: torch.Tensor,
+    attn_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    meta = AttentionMetadata(
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_lens,
+        query_pad_index,
+        query_unpad_index,
+        attn_mask,
+        is_decode_only=query_pad_index.shape[1] == 1,
+    )
+    return write_kv_and_attend(q, k, v, k_cache, v_cache, meta, scale)
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, k_cache, v_cache, *meta_and_scale) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 def build_attention_metadata(

@@ -22,7 +22,7 @@ from torch import nn
 
 from nanoserve.config import ModelConfig
 from nanoserve.engine.layers.attention import AttentionMetadata, PagedAttention
-from nanoserve.engine.layers.linear import MergedLinear
+from nanoserve.engine.layers.linear import Linear, MergedLinear
 from nanoserve.engine.layers.norm import RMSNorm
 from nanoserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
             ["q_proj", "k_proj", "v_proj"],
             bias=config.attention_bias,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -83,7 +83,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             config.hidden_size, [size, size], ["gate_proj", "up_proj"], bias=False
         )
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.down_proj = Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
