@@ -36,6 +36,17 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default unless its help already explains it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        default = action.default
+        if "default" in help_text or default is None or isinstance(default, bool):
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
 def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     from nanoserve.chat_client import add_chat_parser as add_parser
 
@@ -48,7 +59,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a Hugging Face checkpoint over an OpenAI-compatible HTTP API with SSE "
         "streaming. The HTTP front runs in this process; the model runs in a worker process.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     parser.add_argument(
