@@ -42,7 +42,7 @@ class _HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
         default = action.default
-        if "default" in help_text or default in (None, argparse.SUPPRESS) or default is False:
+        if "default" in help_text or default in (None, argparse.SUPPRESS) or action.nargs == 0:
             return help_text
         return f"{help_text} (default: %(default)s)"
 
