@@ -132,9 +132,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="do not share KV blocks between requests with the same prefix",
     )
     parser.add_argument(
+        "--compile",
+        dest="compile_decode",
+        action="store_true",
+        help="torch.compile the decode step: about 2x faster per token on CPU, but it compiles "
+        "for tens of seconds (minutes for billion-parameter models on few cores) at start-up",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="no CUDA graphs or torch.compile: always the plain eager path",
+        help="always the plain eager path, even with --compile",
     )
     parser.add_argument("--num-kv-blocks", type=int, help=argparse.SUPPRESS)  # tests
     parser.add_argument(
@@ -216,6 +223,7 @@ def run_serve(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_kv_blocks=args.num_kv_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
+            compile_decode=args.compile_decode,
             enforce_eager=args.enforce_eager,
         )
         server_config = ServerConfig(

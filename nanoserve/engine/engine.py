@@ -65,7 +65,7 @@ class Engine:
             self.max_model_len,
             config.max_num_seqs,
             scheduler_config.max_num_batched_tokens,
-            enforce_eager=config.enforce_eager,
+            compile_decode=config.compile_decode and not config.enforce_eager,
         )
         self.kv_sizing_time_s = time.perf_counter() - started
         kv_manager = KVCacheManager(
@@ -114,6 +114,20 @@ class Engine:
             return []
         token_ids, logprobs = self.runner.execute(scheduled, self.eos_token_ids)
         return self.scheduler.update(scheduled, token_ids, logprobs)
+
+    def warm_up(self) -> None:
+        """Run a prefill and decode steps at batch sizes 1 and 2 before serving.
+
+        Lazy initialisation (and, with `compile_decode`, compilation for dynamic batch sizes)
+        happens here instead of inside the first users' requests.
+        """
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        self.add_request("warmup-0", [1, 2, 3, 4], params)
+        for _ in range(2):
+            self.step()
+        self.add_request("warmup-1", [5, 6, 7], params)
+        while self.has_unfinished_requests():
+            self.step()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -49,15 +49,15 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        enforce_eager: bool = False,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model
         # The fast path, switched on here only: decode steps run a torch.compile'd model
         # (fused elementwise ops, one-token linears as weight-streaming reductions, attention
-        # as one opaque op). Prefill and mixed steps, and enforce_eager, run the plain model.
-        self.compiled_model = None if enforce_eager else torch.compile(model, dynamic=True)
+        # as one opaque op). Prefill and mixed steps, and the default, run the plain model.
+        self.compiled_model = torch.compile(model, dynamic=True) if compile_decode else None
         self.compiled_logits = (
-            None if enforce_eager else torch.compile(model.compute_logits, dynamic=True)
+            torch.compile(model.compute_logits, dynamic=True) if compile_decode else None
         )
         self.model_config = model_config
         self.device = device

@@ -20,7 +20,6 @@ from collections.abc import Callable
 import msgspec
 
 from nanoserve.config import EngineConfig
-from nanoserve.sampling_params import SamplingParams
 from nanoserve.worker.messages import (
     AbortRequests,
     AddRequest,
@@ -82,14 +81,6 @@ def _handle(engine, message, send: Callable[[msgspec.Struct], None]) -> None:
         raise TypeError(f"unexpected message for the worker: {type(message).__name__}")
 
 
-def warm_up(engine) -> None:
-    """One tiny greedy generation, so the first real request does not pay for lazy init."""
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    engine.add_request("warmup", [1, 2, 3, 4], params)
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
 def run_worker(config: EngineConfig, addresses: WorkerAddresses, parent_pid: int) -> int:
     """Body of the worker process; returns its exit code."""
     from nanoserve.engine.engine import Engine  # heavy import, only in the worker
@@ -99,7 +90,7 @@ def run_worker(config: EngineConfig, addresses: WorkerAddresses, parent_pid: int
     try:
         engine = Engine(config)
         started = time.perf_counter()
-        warm_up(engine)
+        engine.warm_up()
         stats = engine.stats()
         sockets.send(
             Ready(

@@ -1,0 +1,73 @@
+"""The compiled decode path (compile_decode=True) against the plain path (the default)."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.layers.attention import (
+    build_attention_metadata,
+    decode_attention,
+    reference_paged_attention,
+)
+from nanoserve.engine.layers.linear import one_token_linear
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.testing import make_tiny_checkpoint
+
+
+def test_one_token_linear_matches_f_linear():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(1, 48), torch.randn(40, 48), torch.randn(40)
+    torch.testing.assert_close(one_token_linear(x, weight, bias), F.linear(x, weight, bias))
+    torch.testing.assert_close(one_token_linear(x, weight, None), F.linear(x, weight))
+
+
+def test_decode_attention_matches_reference():
+    torch.manual_seed(0)
+    block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 8
+    k_cache = torch.randn(20, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    seq_lens = [1, 7, 13]  # one request inside its first block, others spanning blocks
+    block_tables = [[3], [5, 1], [2, 9, 11, 4]]
+    meta = build_attention_metadata(
+        [1, 1, 1], seq_lens, block_tables, [12, 6, 16], block_size, torch.device("cpu")
+    )
+    query = torch.randn(3, num_heads, head_dim)
+    expected = reference_paged_attention(query, k_cache, v_cache, meta, 0.3)
+    got = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.3)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["qwen3", "qwen2"])
+def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
+    checkpoint = make_tiny_checkpoint(tmp_path, architecture)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+
+    def run(eager: bool, batch: list[list[int]]) -> list[list[int]]:
+        engine = Engine(
+            EngineConfig(
+                model=str(checkpoint),
+                dtype="float32",
+                device="cpu",
+                max_model_len=128,
+                compile_decode=not eager,
+            )
+        )
+        assert (engine.runner.compiled_model is None) == eager
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}
+        for i, prompt in enumerate(batch):
+            engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens[delta.request_id].extend(delta.new_token_ids)
+        return [tokens[str(i)] for i in range(len(batch))]
+
+    # One request alone (one-token linears) and three at once (batched decode).
+    for batch in (prompts[:1], prompts):
+        assert run(False, batch) == run(True, batch)
