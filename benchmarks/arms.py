@@ -134,7 +134,9 @@ class Server:
         """(argv or None for a URL arm, environment, description for the table)."""
         threads = self.options.threads
         env = dict(os.environ)
-        env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        # Every arm gets sleeping (not spinning) OpenMP threads, as nanoserve's worker has by
+        # default: on 2 shared cores spinning threads stall each step (nanoserve/worker/process.py).
+        env.update(OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         kind = self.spec.kind
         base = {"name": self.spec.name, "kind": kind, "threads": threads}

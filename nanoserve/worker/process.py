@@ -81,6 +81,19 @@ def _handle(engine, message, send: Callable[[msgspec.Struct], None]) -> None:
         raise TypeError(f"unexpected message for the worker: {type(message).__name__}")
 
 
+def worker_environment() -> dict[str, str]:
+    """The worker's environment: the front's, with OpenMP threads that sleep when idle.
+
+    The front, the HTTP clients and the worker share the cores. OpenMP's default is to spin
+    between parallel regions; a spinning thread that loses its core stalls every later op of
+    the step until it is scheduled again. Measured on 2 cores with one busy neighbour process:
+    a tiny model's decode step took 31 ms with spinning threads and 0.96 ms with passive ones.
+    """
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
 def run_worker(config: EngineConfig, addresses: WorkerAddresses, parent_pid: int) -> int:
     """Body of the worker process; returns its exit code."""
     from nanoserve.engine.engine import Engine  # heavy import, only in the worker
@@ -136,7 +149,7 @@ class WorkerProcess:
             "--config",
             msgspec.json.encode(config).decode(),
         ]
-        self._popen = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        self._popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=worker_environment())
         self.pid = self._popen.pid
 
     def is_alive(self) -> bool:
