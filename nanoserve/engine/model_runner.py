@@ -200,15 +200,20 @@ class ModelRunner:
         return token_ids, logprobs
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        """Flatten the scheduled tokens of all requests into one batch."""
+        """Flatten the scheduled tokens of all requests into one batch, decodes first.
+
+        Putting one-token requests first lets attention handle them apart from prompt chunks.
+        """
         block_size = self.block_size
+        num_tokens = out.num_scheduled_tokens
+        requests = sorted(out.requests, key=lambda r: num_tokens[r.request_id] > 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         query_lens, seq_lens, block_tables = [], [], []
         sample_rows: list[int] = []
         sampling_requests: list[Request] = []
-        for request in out.requests:
+        for request in requests:
             start = request.num_computed_tokens
             end = start + out.num_scheduled_tokens[request.request_id]
             blocks = request.block_ids

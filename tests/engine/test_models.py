@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.layers.attention import build_attention_metadata
+from nanoserve.engine.layers.attention import build_attention_metadata, reference_paged_attention
 from nanoserve.engine.loader import LoadedModel, load_model
 from nanoserve.testing import ARCHITECTURES, make_tiny_checkpoint
 
@@ -132,3 +133,22 @@ def test_lm_head_tied_only_when_config_says_so(ours):
     is_shared = model.lm_head.weight is model.model.embed_tokens.weight
     assert is_shared == ours.model_config.tie_word_embeddings
     assert is_shared == (ours.model_config.architecture == "Qwen3ForCausalLM")
+
+
+def test_mixed_step_attends_decodes_apart_from_prompt_chunks():
+    """Decodes first, then prompt chunks: two attention parts, same result as one padded pass."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 8, 4
+    k_cache = torch.randn(12, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn(12, block_size, num_kv_heads, head_dim)
+    query_lens, seq_lens = [1, 1, 6], [5, 3, 9]
+    tables = [[0, 1], [2], [3, 4, 5]]
+    slots = [4, 2 * 4 + 2] + [3 * 4 + 3, 4 * 4, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 5 * 4]
+    query = torch.randn(sum(query_lens), num_heads, head_dim)
+    split = build_attention_metadata(query_lens, seq_lens, tables, slots, block_size, "cpu")
+    assert split.parts is not None and split.num_decode_tokens == 2
+    whole = replace(split, parts=None)
+    torch.testing.assert_close(
+        reference_paged_attention(query, k_cache, v_cache, split, 0.3),
+        reference_paged_attention(query, k_cache, v_cache, whole, 0.3),
+    )

@@ -31,6 +31,10 @@ class AttentionMetadata:
     query_unpad_index: torch.Tensor  # [T] int64: row in the [B*Q] padded layout of each token
     attn_mask: torch.Tensor  # [B, 1, 1, Q, K] bool: True where a query may see a key
     is_decode_only: bool  # every request runs exactly one token (Q == 1)
+    # A mixed step (decodes first, then prompt chunks) attends in two parts, so that decode
+    # rows are not padded to [longest chunk x longest context]: (decode part, prompt part).
+    parts: tuple[AttentionMetadata, AttentionMetadata] | None = None
+    num_decode_tokens: int = 0
 
 
 def reference_paged_attention(
@@ -41,6 +45,13 @@ def reference_paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     """Gather every request's context from the pool and attend with a causal, padded mask."""
+    if meta.parts is not None:
+        decode, prompt = meta.parts
+        num_decode = meta.num_decode_tokens
+        return torch.cat([
+            reference_paged_attention(query[:num_decode], k_cache, v_cache, decode, scale),
+            reference_paged_attention(query[num_decode:], k_cache, v_cache, prompt, scale),
+        ])  # fmt: skip
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -213,7 +224,44 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
 ) -> AttentionMetadata:
-    """Build the per-step layout once on the CPU side; every layer reads it."""
+    """Build the per-step layout once on the CPU side; every layer reads it.
+
+    When one-token (decode) requests come first and prompt chunks follow, the step also gets
+    two parts that attend separately (see `AttentionMetadata.parts`).
+    """
+    meta = _build_group(query_lens, seq_lens, block_tables, slot_mapping, block_size, device)
+    num_decodes = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
+    if 0 < num_decodes < len(query_lens) and all(n > 1 for n in query_lens[num_decodes:]):
+        num_decode_tokens = num_decodes  # one token each
+        decode = _build_group(
+            query_lens[:num_decodes],
+            seq_lens[:num_decodes],
+            block_tables[:num_decodes],
+            slot_mapping[:num_decode_tokens],
+            block_size,
+            device,
+        )
+        prompt = _build_group(
+            query_lens[num_decodes:],
+            seq_lens[num_decodes:],
+            block_tables[num_decodes:],
+            slot_mapping[num_decode_tokens:],
+            block_size,
+            device,
+        )
+        meta.parts = (decode, prompt)
+        meta.num_decode_tokens = num_decode_tokens
+    return meta
+
+
+def _build_group(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: list[int],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
     num_requests = len(query_lens)
     max_query_len = max(query_lens)
     max_blocks = max(len(t) for t in block_tables)
