@@ -144,10 +144,10 @@ class Server:
             args = self.options.nanoserve_args
             argv = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "{model}"]
             argv += ["--host", "{host}", "--port", "{port}", *args]
-            if "--enforce-eager" in args:
-                mode = "eager (--enforce-eager)"
+            if "--compile" in args and "--enforce-eager" not in args:
+                mode = "torch.compile'd decode steps (--compile)"
             else:
-                mode = "runner defaults: torch.compile'd decode (no --enforce-eager)"
+                mode = "eager (the default)"
             return argv, env, {**base, "server": "nanoserve (this checkout)", "mode": mode}
         if kind == "hf":
             argv = [sys.executable, "-m", "benchmarks.hf_server", "--model", "{model}"]
