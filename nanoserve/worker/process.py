@@ -88,9 +88,13 @@ def worker_environment() -> dict[str, str]:
     between parallel regions; a spinning thread that loses its core stalls every later op of
     the step until it is scheduled again. Measured on 2 cores with one busy neighbour process:
     a tiny model's decode step took 31 ms with spinning threads and 0.96 ms with passive ones.
+    On CPU the worker also leaves one core to the front and its clients (as vLLM's CPU backend
+    does) unless OMP_NUM_THREADS says otherwise: on 2 cores a 1-thread worker served 1,613
+    tok/s against 1,312 for a 2-thread one (benchmarks/serving_overhead.py, tiny model).
     """
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
     return env
 
 
