@@ -143,7 +143,10 @@ class Server:
         if kind == "nanoserve":
             args = self.options.nanoserve_args
             argv = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "{model}"]
-            argv += ["--host", "{host}", "--port", "{port}", *args]
+            argv += ["--host", "{host}", "--port", "{port}"]
+            if "--max-model-len" not in args:  # as the vLLM arm gets it
+                argv += ["--max-model-len", str(self.options.max_model_len)]
+            argv += args
             if "--compile" in args and "--enforce-eager" not in args:
                 mode = "torch.compile'd decode steps (--compile)"
             else:

@@ -202,8 +202,15 @@ class WindowSampler:
     code fragment and whose assistant turn is its continuation.
     """
 
-    def __init__(self, stream: torch.Tensor, seq_len: int, seed: int, ids: dict[str, list[int]],
-                 fim_rate: float, chat_rate: float) -> None:
+    def __init__(
+        self,
+        stream: torch.Tensor,
+        seq_len: int,
+        seed: int,
+        ids: dict[str, list[int]],
+        fim_rate: float,
+        chat_rate: float,
+    ) -> None:
         self.stream = stream
         self.row = seq_len + 1
         self.rng = random.Random(seed)
@@ -220,8 +227,15 @@ class WindowSampler:
         span = self._span(self.row - 4)
         i, j = sorted(self.rng.randint(0, len(span)) for _ in range(2))
         prefix, middle, suffix = span[:i], span[i:j], span[j:]
-        return (ids["fim_prefix"] + prefix + ids["fim_suffix"] + suffix + ids["fim_middle"]
-                + middle + ids["eot"])
+        return (
+            ids["fim_prefix"]
+            + prefix
+            + ids["fim_suffix"]
+            + suffix
+            + ids["fim_middle"]
+            + middle
+            + ids["eot"]
+        )
 
     def _chat(self) -> list[int]:
         ids = self.ids
@@ -230,8 +244,14 @@ class WindowSampler:
             n_user = self.rng.randint(8, 160)
             n_asst = self.rng.randint(4, 96)
             span = self._span(n_user + n_asst)
-            row += (ids["user"] + span[:n_user] + ids["end_user"] + span[n_user:]
-                    + ids["end_asst"] + ids["eot"])
+            row += (
+                ids["user"]
+                + span[:n_user]
+                + ids["end_user"]
+                + span[n_user:]
+                + ids["end_asst"]
+                + ids["eot"]
+            )
         return row[: self.row]
 
     def batch(self, batch_size: int) -> torch.Tensor:
@@ -311,8 +331,15 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, stream: torch.Tensor, byte_len: torch.Tensor, seq_len: int, eot_id: int,
-             max_windows: int | None = None, autocast: bool = False) -> dict[str, float]:
+def evaluate(
+    model,
+    stream: torch.Tensor,
+    byte_len: torch.Tensor,
+    seq_len: int,
+    eot_id: int,
+    max_windows: int | None = None,
+    autocast: bool = False,
+) -> dict[str, float]:
     """Mean loss (nats/token) and bits per byte over non-overlapping windows.
 
     Every token except the first of each window is predicted; ``<|endoftext|>`` targets
@@ -379,38 +406,69 @@ def md_table(rows: list[tuple[str, str]], header: tuple[str, str] = ("", "")) ->
 def write_model_card(out: Path, info: dict) -> None:
     s = info
     plain_pct = 100 - s["fim_pct"] - s["chat_pct"]
-    train_table = md_table([
-        ("corpus", f"`Lib/**/*.py` of CPython {s['python']} ({s['n_files']} files, "
-                   f"{s['corpus_mb']:.2f} MB), excluding directories {s['excluded']}"),
-        ("corpus sha256", f"`{s['corpus_sha']}`"),
-        ("held-out split", f"every {s['holdout_every']}th file by sorted path: "
-                           f"{s['n_heldout']} files, {s['heldout_kb']:.0f} kB"),
-        ("training tokens (corpus)", f"{s['train_tokens']:,}"),
-        ("seed", str(s["seed"])),
-        ("steps × batch × sequence",
-         f"{s['steps']} × {s['batch_size']} × {s['seq_len']} = {s['tokens_seen']:,} tokens "
-         f"(~{s['epochs']:.1f} epochs)"),
-        ("data mix", f"{plain_pct:.0f}% plain windows, {s['fim_pct']:.0f}% FIM (PSM), "
-                     f"{s['chat_pct']:.0f}% ChatML-wrapped code"),
-        ("optimizer", f"AdamW (β=0.9/0.95, wd 0.1 on matrices), peak LR {s['lr']:g}, "
-                      f"{s['warmup']} warmup steps, cosine to {s['min_lr_ratio']:g}×, "
-                      "grad clip 1.0"),
-        ("precision", "fp32 master weights, bf16 autocast; saved as bf16"),
-        ("wall time", f"{s['wall_min']:.1f} min total (tokenizer {s['tok_s']:.0f} s, training "
-                      f"{s['train_min']:.1f} min at {s['train_tps']:,.0f} tokens/s), including "
-                      "evaluation and saving; as measured, so it depends on other load on the "
-                      "machine (idle, this 2-core machine trains at roughly 4-5k tokens/s)"),
-        ("machine", f"{s['cpu']}, {s['threads']} torch threads, no GPU; torch {s['torch']}, "
-                    f"transformers {s['transformers']}, tokenizers {s['tokenizers']}"),
-    ])
-    eval_table = md_table([
-        ("held-out loss", f"**{s['eval_loss']:.3f} nats/token** (uniform over the vocabulary: "
-                          f"{math.log(s['vocab']):.2f})"),
-        ("held-out bits per byte", f"**{s['eval_bpb']:.3f}**"),
-        ("held-out tokens / bytes", f"{s['eval_tokens']:,} / {s['eval_bytes']:,} "
-                                    f"({s['eval_bytes'] / s['eval_tokens']:.2f} bytes per token)"),
-        ("final training loss (mean of last 50 steps, mixed data)", f"{s['train_loss']:.3f}"),
-    ], header=("metric", "value"))
+    train_table = md_table(
+        [
+            (
+                "corpus",
+                f"`Lib/**/*.py` of CPython {s['python']} ({s['n_files']} files, "
+                f"{s['corpus_mb']:.2f} MB), excluding directories {s['excluded']}",
+            ),
+            ("corpus sha256", f"`{s['corpus_sha']}`"),
+            (
+                "held-out split",
+                f"every {s['holdout_every']}th file by sorted path: "
+                f"{s['n_heldout']} files, {s['heldout_kb']:.0f} kB",
+            ),
+            ("training tokens (corpus)", f"{s['train_tokens']:,}"),
+            ("seed", str(s["seed"])),
+            (
+                "steps × batch × sequence",
+                f"{s['steps']} × {s['batch_size']} × {s['seq_len']} = {s['tokens_seen']:,} tokens "
+                f"(~{s['epochs']:.1f} epochs)",
+            ),
+            (
+                "data mix",
+                f"{plain_pct:.0f}% plain windows, {s['fim_pct']:.0f}% FIM (PSM), "
+                f"{s['chat_pct']:.0f}% ChatML-wrapped code",
+            ),
+            (
+                "optimizer",
+                f"AdamW (β=0.9/0.95, wd 0.1 on matrices), peak LR {s['lr']:g}, "
+                f"{s['warmup']} warmup steps, cosine to {s['min_lr_ratio']:g}×, "
+                "grad clip 1.0",
+            ),
+            ("precision", "fp32 master weights, bf16 autocast; saved as bf16"),
+            (
+                "wall time",
+                f"{s['wall_min']:.1f} min total (tokenizer {s['tok_s']:.0f} s, training "
+                f"{s['train_min']:.1f} min at {s['train_tps']:,.0f} tokens/s), including "
+                "evaluation and saving; as measured, so it depends on other load on the "
+                "machine (idle, this 2-core machine trains at roughly 4-5k tokens/s)",
+            ),
+            (
+                "machine",
+                f"{s['cpu']}, {s['threads']} torch threads, no GPU; torch {s['torch']}, "
+                f"transformers {s['transformers']}, tokenizers {s['tokenizers']}",
+            ),
+        ]
+    )
+    eval_table = md_table(
+        [
+            (
+                "held-out loss",
+                f"**{s['eval_loss']:.3f} nats/token** (uniform over the vocabulary: "
+                f"{math.log(s['vocab']):.2f})",
+            ),
+            ("held-out bits per byte", f"**{s['eval_bpb']:.3f}**"),
+            (
+                "held-out tokens / bytes",
+                f"{s['eval_tokens']:,} / {s['eval_bytes']:,} "
+                f"({s['eval_bytes'] / s['eval_tokens']:.2f} bytes per token)",
+            ),
+            ("final training loss (mean of last 50 steps, mixed data)", f"{s['train_loss']:.3f}"),
+        ],
+        header=("metric", "value"),
+    )
     card = f"""---
 license: other
 license_name: psf-2.0
@@ -612,8 +670,10 @@ def main(argv: list[str] | None = None) -> None:
     corpus_bytes = sum(len(t.encode()) for _, t in corpus)
     heldout_bytes = sum(len(t.encode()) for _, t in heldout)
     log(f"corpus: {stdlib} -> {len(corpus)} files, {corpus_bytes / 1e6:.2f} MB, sha256 {sha[:16]}")
-    log(f"held out: {len(heldout)} files ({heldout_bytes / 1e3:.0f} kB): "
-        + ", ".join(r for r, _ in heldout))
+    log(
+        f"held out: {len(heldout)} files ({heldout_bytes / 1e3:.0f} kB): "
+        + ", ".join(r for r, _ in heldout)
+    )
 
     # ---- tokenizer
     t0 = time.time()
@@ -627,8 +687,10 @@ def main(argv: list[str] | None = None) -> None:
     train_stream = encode_docs(tok, [t for _, t in train], eot_id)
     eval_stream = encode_docs(tok, [t for _, t in heldout], eot_id)
     byte_len = token_byte_lengths(tok)
-    log(f"tokens: train {len(train_stream):,}, held-out {len(eval_stream):,} "
-        f"({heldout_bytes / len(eval_stream):.2f} bytes/token)")
+    log(
+        f"tokens: train {len(train_stream):,}, held-out {len(eval_stream):,} "
+        f"({heldout_bytes / len(eval_stream):.2f} bytes/token)"
+    )
 
     def enc(s: str) -> list[int]:
         return tok.encode(s).ids
@@ -643,23 +705,30 @@ def main(argv: list[str] | None = None) -> None:
         "end_user": enc(f"{IM_END}\n{IM_START}assistant\n"),
         "end_asst": enc(f"{IM_END}\n"),
     }
-    sampler = WindowSampler(train_stream, args.seq_len, args.seed, seq_ids,
-                            args.fim_rate, args.chat_rate)
+    sampler = WindowSampler(
+        train_stream, args.seq_len, args.seed, seq_ids, args.fim_rate, args.chat_rate
+    )
 
     # ---- model
     config = build_config(args, vocab, eot_id, im_end_id)
     model = Qwen3ForCausalLM(config)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: Qwen3ForCausalLM {n_params / 1e6:.2f}M params, "
-        f"attn={model.config._attn_implementation}")
+    log(
+        f"model: Qwen3ForCausalLM {n_params / 1e6:.2f}M params, "
+        f"attn={model.config._attn_implementation}"
+    )
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
     use_bf16 = not args.no_bf16
@@ -687,12 +756,21 @@ def main(argv: list[str] | None = None) -> None:
             elapsed = time.time() - t_train
             tps = done * tokens_per_step / elapsed
             eta = (args.steps - done) * elapsed / done
-            log(f"step {done:5d}/{args.steps} loss {loss.item():.4f} "
+            log(
+                f"step {done:5d}/{args.steps} loss {loss.item():.4f} "
                 f"(avg50 {sum(recent) / len(recent):.4f}) lr {lr:.2e} {tps:,.0f} tok/s "
-                f"elapsed {elapsed / 60:.1f} min eta {eta / 60:.1f} min")
+                f"elapsed {elapsed / 60:.1f} min eta {eta / 60:.1f} min"
+            )
         if args.eval_every and done % args.eval_every == 0 and done != args.steps:
-            ev = evaluate(model, eval_stream, byte_len, args.seq_len, eot_id,
-                          max_windows=24, autocast=use_bf16)
+            ev = evaluate(
+                model,
+                eval_stream,
+                byte_len,
+                args.seq_len,
+                eot_id,
+                max_windows=24,
+                autocast=use_bf16,
+            )
             log(f"  eval@{done} (subset) loss {ev['loss']:.4f} bpb {ev['bpb']:.4f}")
     train_min = (time.time() - t_train) / 60
 
@@ -711,8 +789,10 @@ def main(argv: list[str] | None = None) -> None:
     save_tokenizer(tok, out, args.max_positions)
     model = model.to(torch.float32)
     ev = evaluate(model, eval_stream, byte_len, args.seq_len, eot_id)
-    log(f"held-out (full, bf16 weights, fp32 compute): loss {ev['loss']:.4f} nats/token, "
-        f"{ev['bpb']:.4f} bits/byte over {ev['tokens']:,} tokens / {ev['bytes']:,} bytes")
+    log(
+        f"held-out (full, bf16 weights, fp32 compute): loss {ev['loss']:.4f} nats/token, "
+        f"{ev['bpb']:.4f} bits/byte over {ev['tokens']:,} tokens / {ev['bytes']:,} bytes"
+    )
 
     samples = generate_samples(out)
     log("greedy sample:\n" + samples["sample_greedy"])

@@ -81,9 +81,7 @@ def test_config_matches_tokenizer(tokenizer):
     assert config["vocab_size"] == len(tokenizer)
     gen = json.loads((DEMO_DIR / "generation_config.json").read_text())
     eos = gen["eos_token_id"]
-    assert sorted(eos) == sorted(
-        tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
-    )
+    assert sorted(eos) == sorted(tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"]))
     assert tokenizer.eos_token == "<|endoftext|>"
     assert tokenizer.pad_token == "<|endoftext|>"
     assert tokenizer.bos_token is None
