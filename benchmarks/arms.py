@@ -147,7 +147,9 @@ class Server:
             if "--max-model-len" not in args:  # as the vLLM arm gets it
                 argv += ["--max-model-len", str(self.options.max_model_len)]
             argv += args
-            if "--compile" in args and "--enforce-eager" not in args:
+            if "--enforce-eager" in args:
+                mode = "eager (--enforce-eager)"
+            elif "--compile" in args:
                 mode = "torch.compile'd decode steps (--compile)"
             else:
                 mode = "eager (the default)"
