@@ -125,7 +125,7 @@ def test_harness_end_to_end(tmp_path):
         "--workload", "all", "--arm", "nanoserve", "--arm", "hf",
         "--preset", "test", "--model-dir", str(tmp_path / "model"),
         "--output-root", str(out), "--num-warmup", "2",
-        "--nanoserve-args=--enforce-eager",  # torch.compile's warm-up would take most of 90 s
+        "--nanoserve-args=--enforce-eager",  # the eager default, named so the table says so
         "--scoreboard-prompts", "2", "--scoreboard-max-tokens", "4",
         "--scoreboard-concurrency", "2",
         "--concurrency", "1,2", "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
