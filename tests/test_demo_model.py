@@ -11,9 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "nanoserve" / "assets" / "demo"
 REQUIRED_FILES = (
