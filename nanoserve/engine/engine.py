@@ -42,12 +42,6 @@ class Engine:
             set(self.model_config.eos_token_ids)
             | loader.load_generation_config_eos(self.model_path)
         )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens or max(2048, self.max_model_len),
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-        )
         cache_config = CacheConfig(
             block_size=config.block_size,
             kv_cache_memory=config.kv_cache_memory,
@@ -64,10 +58,17 @@ class Engine:
             self.dtype,
             self.max_model_len,
             config.max_num_seqs,
-            scheduler_config.max_num_batched_tokens,
+            config.max_num_batched_tokens or max(2048, self.max_model_len),
             compile_decode=config.compile_decode and not config.enforce_eager,
         )
         self.kv_sizing_time_s = time.perf_counter() - started
+        self._fit_max_model_len_to_kv_cache()
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens or max(2048, self.max_model_len),
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
         kv_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -76,6 +77,32 @@ class Engine:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.runner.num_blocks * self.runner.block_size
+
+    def _fit_max_model_len_to_kv_cache(self) -> None:
+        """One sequence of max_model_len tokens must fit in the KV cache.
+
+        If the user chose max_model_len, a cache too small for it is an error; if it came from
+        the model (e.g. Qwen3's 40,960 positions against the 2 GiB CPU default), lower it.
+        """
+        capacity = self.kv_capacity_tokens
+        if capacity >= self.max_model_len:
+            return
+        budget_mib = self.runner.num_blocks * self.runner.kv_block_bytes / 2**20
+        if self.config.max_model_len is not None:
+            raise ValueError(
+                f"the KV cache ({budget_mib:.1f} MiB) holds {capacity} tokens, fewer than "
+                f"max_model_len ({self.max_model_len}); give more kv_cache_memory (or "
+                "gpu_memory_utilization) or lower max_model_len"
+            )
+        logger.warning(
+            "max_model_len lowered from %d (the model's) to %d, what the KV cache (%.1f MiB) "
+            "holds; pass --kv-cache-memory (or --gpu-memory-utilization) for more, or "
+            "--max-model-len to choose",
+            self.max_model_len,
+            capacity,
+            budget_mib,
+        )
+        self.max_model_len = capacity
 
     def add_request(
         self,

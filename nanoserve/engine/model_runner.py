@@ -98,12 +98,10 @@ class ModelRunner:
                 needed_tokens = max_num_seqs * max_model_len + max_num_batched_tokens
                 budget = min(budget, (needed_tokens // self.block_size + 1) * self.kv_block_bytes)
         num_blocks = budget // self.kv_block_bytes
-        capacity = num_blocks * self.block_size
-        if capacity < max_model_len:
+        if num_blocks < 2:
             raise ValueError(
-                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {capacity}"
-                f" tokens, fewer than max_model_len ({max_model_len}); give more kv_cache_memory"
-                " (or gpu_memory_utilization) or lower max_model_len"
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds fewer than 2 blocks of "
+                f"{self.block_size} tokens; give more kv_cache_memory (or gpu_memory_utilization)"
             )
         return num_blocks
 

@@ -151,3 +151,14 @@ def test_prompt_too_long_names_both_lengths(checkpoint):
         engine.add_request("y", [], greedy())
     with pytest.raises(ValueError, match=r"must be in \[0, 320\)"):
         engine.add_request("z", [1, 999], greedy())
+
+
+def test_model_max_len_is_lowered_to_what_the_kv_cache_holds(checkpoint):
+    # The tiny checkpoints have 512 positions; 10 blocks of 16 tokens hold 160.
+    engine = Engine(EngineConfig(model=str(checkpoint), device="cpu", num_kv_blocks=10))
+    assert engine.max_model_len == 160
+    assert engine.scheduler.config.max_model_len == 160
+    with pytest.raises(ValueError, match=r"holds 160 tokens, fewer than max_model_len \(512\)"):
+        Engine(
+            EngineConfig(model=str(checkpoint), device="cpu", num_kv_blocks=10, max_model_len=512)
+        )
