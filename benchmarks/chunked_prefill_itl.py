@@ -35,6 +35,7 @@ from benchmarks.arms import REPO_ROOT, ArmOptions, ArmSpec, Server
 from benchmarks.client import RequestResult, completion_body, make_client, stream_completion
 from benchmarks.metrics import distribution_ms
 from benchmarks.models import make_dummy_checkpoint
+from benchmarks.serve_bench import results_dir
 from benchmarks.workloads import PromptMaker
 
 MODEL_CACHE = Path.home() / ".cache" / "nanoserve" / "bench-models"
@@ -232,12 +233,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = args.model or make_dummy_checkpoint(MODEL_CACHE / "tiny-seed0", "tiny")
-    base = f"{datetime.date.today().isoformat()}-chunked-prefill"
-    out_dir, n = args.output_root / base, 1
-    while out_dir.exists():
-        n += 1
-        out_dir = args.output_root / f"{base}-{n}"
-    out_dir.mkdir(parents=True)
+    out_dir = results_dir(args.output_root, "chunked-prefill")
     cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True)
     run = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -48,6 +48,7 @@ from benchmarks.client import (
 )
 from benchmarks.metrics import summarize
 from benchmarks.models import PRESETS, make_dummy_checkpoint
+from benchmarks.serve_bench import results_dir
 from benchmarks.workloads import PromptMaker
 
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "nanoserve" / "bench-models"
@@ -341,17 +342,6 @@ def render_markdown(document: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def results_dir(root: Path) -> Path:
-    """<root>/<date>-serving-overhead, with -2, -3 ... when one of the same day exists."""
-    base = f"{datetime.date.today().isoformat()}-serving-overhead"
-    candidate, n = root / base, 1
-    while candidate.exists():
-        n += 1
-        candidate = root / f"{base}-{n}"
-    candidate.mkdir(parents=True)
-    return candidate
-
-
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -414,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model_cache / f"{args.preset}-seed{args.seed}", args.preset, args.seed
     )
     prompts = make_prompts(model_dir, args)
-    out_dir = results_dir(args.output_root)
+    out_dir = results_dir(args.output_root, "serving-overhead")
 
     log("offline: loading the engine")
     started = time.perf_counter()

@@ -232,25 +232,15 @@ def build_attention_metadata(
     meta = _build_group(query_lens, seq_lens, block_tables, slot_mapping, block_size, device)
     num_decodes = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
     if 0 < num_decodes < len(query_lens) and all(n > 1 for n in query_lens[num_decodes:]):
-        num_decode_tokens = num_decodes  # one token each
-        decode = _build_group(
-            query_lens[:num_decodes],
-            seq_lens[:num_decodes],
-            block_tables[:num_decodes],
-            slot_mapping[:num_decode_tokens],
-            block_size,
-            device,
-        )
-        prompt = _build_group(
-            query_lens[num_decodes:],
-            seq_lens[num_decodes:],
-            block_tables[num_decodes:],
-            slot_mapping[num_decode_tokens:],
-            block_size,
-            device,
-        )
+        # Decode requests run one token each, so one slice cuts every per-request and
+        # per-token list at the same place.
+        decode, prompt = (
+            _build_group(query_lens[part], seq_lens[part], block_tables[part],
+                         slot_mapping[part], block_size, device)
+            for part in (slice(None, num_decodes), slice(num_decodes, None))
+        )  # fmt: skip
         meta.parts = (decode, prompt)
-        meta.num_decode_tokens = num_decode_tokens
+        meta.num_decode_tokens = num_decodes
     return meta
 
 
