@@ -81,6 +81,8 @@ class ArmOptions:
     nanoserve_args: list[str] = field(default_factory=list)
     vllm_venv: Path = DEFAULT_VLLM_VENV
     vllm_args: list[str] = field(default_factory=list)
+    # OMP_WAIT_POLICY for every arm ("PASSIVE", "ACTIVE"); None leaves each server's own default.
+    omp_wait_policy: str | None = None
 
 
 class Server:
@@ -134,12 +136,18 @@ class Server:
         """(argv or None for a URL arm, environment, description for the table)."""
         threads = self.options.threads
         env = dict(os.environ)
-        # Every arm gets sleeping (not spinning) OpenMP threads, as nanoserve's worker has by
-        # default: on 2 shared cores spinning threads stall each step (nanoserve/worker/process.py).
-        env.update(OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        env.pop("OMP_WAIT_POLICY", None)
+        if self.options.omp_wait_policy is not None:
+            env["OMP_WAIT_POLICY"] = self.options.omp_wait_policy
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         kind = self.spec.kind
-        base = {"name": self.spec.name, "kind": kind, "threads": threads}
+        base = {
+            "name": self.spec.name,
+            "kind": kind,
+            "threads": threads,
+            "omp_wait_policy": self.options.omp_wait_policy or "server's default",
+        }
         if kind == "nanoserve":
             args = self.options.nanoserve_args
             argv = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "{model}"]

@@ -74,6 +74,7 @@ ARM_COLUMNS = [
     Column("server", "server"),
     Column("mode", "mode"),
     Column("threads", "threads", digits=0),
+    Column("omp_wait_policy", "OMP_WAIT_POLICY"),
     Column("dtype", "dtype"),
     Column("version", "version"),
     Column("status", "status"),

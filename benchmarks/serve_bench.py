@@ -104,6 +104,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="extra arguments for nanoserve serve, one string: --nanoserve-args='--enforce-eager'",
     )
+    servers.add_argument(
+        "--omp-wait-policy",
+        choices=["PASSIVE", "ACTIVE"],
+        default=None,
+        help="OMP_WAIT_POLICY for every arm (default: each server's own choice)",
+    )
     servers.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     servers.add_argument("--vllm-args", default="", help="extra arguments for vLLM (one string)")
     out = p.add_argument_group("output")
@@ -417,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             nanoserve_args=args.nanoserve_args.split(),
             vllm_venv=args.vllm_venv,
             vllm_args=args.vllm_args.split(),
+            omp_wait_policy=args.omp_wait_policy,
         )
         _warn_if_busy(run_info["machine"]["load_average_at_start"])
         results: dict[str, dict[str, dict]] = {w.name: {} for w in built}

@@ -82,18 +82,19 @@ def _handle(engine, message, send: Callable[[msgspec.Struct], None]) -> None:
 
 
 def worker_environment() -> dict[str, str]:
-    """The worker's environment: the front's, with OpenMP threads that sleep when idle.
+    """The worker's environment: the front's, with one core left to the front on CPU.
 
-    The front, the HTTP clients and the worker share the cores. OpenMP's default is to spin
-    between parallel regions; a spinning thread that loses its core stalls every later op of
-    the step until it is scheduled again. Measured on 2 cores with one busy neighbour process:
-    a tiny model's decode step took 31 ms with spinning threads and 0.96 ms with passive ones.
-    On CPU the worker also leaves one core to the front and its clients (as vLLM's CPU backend
-    does) unless OMP_NUM_THREADS says otherwise: on 2 cores a 1-thread worker served 1,613
-    tok/s against 1,312 for a 2-thread one (benchmarks/serving_overhead.py, tiny model).
+    The front, its HTTP clients and the worker share the cores. Unless OMP_NUM_THREADS says
+    otherwise the worker computes on `cores - 1` threads (as vLLM's CPU backend reserves one):
+    on 2 cores a 1-thread worker served 1,613 tok/s against 1,312 for a 2-thread one
+    (benchmarks/serving_overhead.py, tiny model).
+
+    OpenMP keeps its default wait policy (threads spin briefly between parallel regions, then
+    sleep). Passive waiting (OMP_WAIT_POLICY=PASSIVE) pays a thread wake-up on every op: with
+    2 threads it made a 45-token prefill of the Qwen3-0.6B shape 290 ms instead of 185 ms and
+    halved a tiny model's single-stream tok/s over HTTP (benchmarks/RESULTS.md).
     """
     env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
     return env
 

@@ -154,13 +154,13 @@ def test_worker_process_serves_over_zmq_and_exits_on_shutdown(tiny_model: Path) 
     asyncio.run(scenario())
 
 
-def test_worker_environment_leaves_a_core_and_sleeps_idle_threads(monkeypatch):
+def test_worker_environment_leaves_a_core_and_keeps_openmp_waiting(monkeypatch):
     from nanoserve.worker.process import worker_environment
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     env = worker_environment()
-    assert env["OMP_NUM_THREADS"] == "7" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env["OMP_NUM_THREADS"] == "7" and "OMP_WAIT_POLICY" not in env
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
     assert worker_environment()["OMP_NUM_THREADS"] == "3"
