@@ -15,6 +15,7 @@ import torch
 
 from nanoserve.config import CacheConfig
 from nanoserve.engine.layers.attention import AttentionMetadata, build_attention_metadata
+from nanoserve.engine.layers.linear import Linear
 from nanoserve.engine.outputs import TokenLogprobs
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler, SamplingBatch
@@ -36,6 +37,14 @@ class StepInputs:
     sampling_requests: list[Request]  # [S]
 
 
+def _pack_linear_weights(model: torch.nn.Module) -> None:
+    """Pack every bf16 Linear's weight for oneDNN on CPU (see layers/packed_weights.py)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    num_packed = sum(layer.pack_weight() for layer in layers)
+    if num_packed:
+        logger.info("packed %d of %d linear weights for oneDNN", num_packed, len(layers))
+
+
 class ModelRunner:
     """Runs the model over the paged KV cache and samples the next tokens."""
 
@@ -52,9 +61,11 @@ class ModelRunner:
         compile_decode: bool = False,
     ) -> None:
         self.model = model
+        if device.type == "cpu":
+            _pack_linear_weights(model)
         # The fast path, switched on here only: decode steps run a torch.compile'd model
-        # (fused elementwise ops, one-token linears as weight-streaming reductions, attention
-        # as one opaque op). Prefill and mixed steps, and the default, run the plain model.
+        # (fused elementwise ops and decode attention; linears and the KV write stay opaque
+        # ops). Prefill and mixed steps, and the default, run the plain model.
         self.compiled_model = torch.compile(model, dynamic=True) if compile_decode else None
         self.compiled_logits = (
             torch.compile(model.compute_logits, dynamic=True) if compile_decode else None

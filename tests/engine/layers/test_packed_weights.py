@@ -1,0 +1,71 @@
+"""oneDNN-packed linear weights: the same numbers as F.linear, eager and compiled."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine.layers import packed_weights
+from nanoserve.engine.layers.linear import Linear
+from nanoserve.testing import make_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(
+    not packed_weights.can_pack(torch.zeros(1, dtype=torch.bfloat16)),
+    reason="this torch build has no oneDNN packed linear",
+)
+
+
+def _linear(bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+    torch.manual_seed(0)
+    layer = Linear(48, 40, bias=bias).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    return layer, weight, None if layer.bias is None else layer.bias.detach().clone()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_bit_for_bit(bias):
+    layer, weight, bias_values = _linear(bias)
+    assert layer.pack_weight()
+    assert layer.weight is None and layer.packed_weight is not None
+    for num_tokens in (1, 3, 17):
+        x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, weight, bias_values))
+
+
+def test_packed_linear_under_torch_compile():
+    layer, weight, _ = _linear(bias=False)
+    layer.pack_weight()
+    compiled = torch.compile(lambda x: layer(x * 2.0) + 1.0, dynamic=True)
+    with torch.inference_mode():
+        for num_tokens in (1, 5):
+            x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
+            expected = F.linear(x * 2.0, weight) + 1.0
+            torch.testing.assert_close(compiled(x), expected)
+
+
+def test_only_bf16_cpu_weights_are_packed():
+    layer = Linear(8, 4, bias=False)  # float32
+    assert not layer.pack_weight()
+    assert layer.weight is not None and layer.packed_weight is None
+
+
+def test_engine_packs_bf16_weights_and_generates_the_same_tokens(tmp_path, monkeypatch):
+    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")  # tied embeddings
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (5, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+
+    llm = LLM(checkpoint, dtype="bfloat16")
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
+    assert model.model.embed_tokens.weight is not None  # the tied head's plain tensor lives on
+    packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    monkeypatch.setattr(packed_weights, "can_pack", lambda weight: False)
+    plain_llm = LLM(checkpoint, dtype="bfloat16")
+    assert all(m.packed_weight is None for m in plain_llm.engine.runner.model.modules()
+               if isinstance(m, Linear))  # fmt: skip
+    assert [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)] == packed
