@@ -1,11 +1,16 @@
 """Paged attention: write this step's K/V into the block pool, then attend through block tables.
 
 One forward pass serves a mixed batch: some requests bring many prompt tokens, others one decode
-token. The runner flattens all their tokens into one sequence of `num_tokens` rows and describes
-the layout once per step in `AttentionMetadata`; every layer reuses it.
+token. The runner flattens all their tokens into one sequence of `num_tokens` rows, decodes
+first, and describes the layout once per step in `AttentionMetadata`; every layer reuses it.
 
-The reference backend below is plain PyTorch and runs on CPU and CUDA. A faster backend (Triton,
-FlashAttention) can replace `reference_paged_attention` behind the same metadata.
+The reference backend below is plain PyTorch and runs on CPU and CUDA:
+- decode tokens (one query per request) attend in one padded, batched pass over the gathered
+  contexts (`decode_group_attention`);
+- prompt tokens attend request by request with `F.scaled_dot_product_attention` (CPU's flash
+  kernel), causal within the new tokens and over all of a cached prefix (`prompt_attention`).
+A faster backend (Triton, FlashAttention) can replace `reference_paged_attention` behind the
+same metadata.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -20,19 +26,21 @@ from torch import nn
 class AttentionMetadata:
     """How the flat token batch of one step maps onto requests and KV slots.
 
-    B = number of requests in the step, T = total tokens, Q = longest query, K = longest context.
+    B = number of requests in the step, T = total tokens, K = longest context (in whole blocks).
     """
 
     slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block_id * block_size + offset) per token
     block_tables: torch.Tensor  # [B, max_blocks] int64: each request's blocks (padded with 0)
     seq_lens: torch.Tensor  # [B] int64: context length after this step (cached + new tokens)
-    query_lens: torch.Tensor  # [B] int64: tokens this request runs now
-    query_pad_index: torch.Tensor  # [B, Q] int64: flat token index of each padded query row
-    query_unpad_index: torch.Tensor  # [T] int64: row in the [B*Q] padded layout of each token
-    attn_mask: torch.Tensor  # [B, 1, 1, Q, K] bool: True where a query may see a key
-    is_decode_only: bool  # every request runs exactly one token (Q == 1)
-    # A mixed step (decodes first, then prompt chunks) attends in two parts, so that decode
-    # rows are not padded to [longest chunk x longest context]: (decode part, prompt part).
+    query_lens_list: list[int]  # [B]: tokens each request runs now
+    seq_lens_list: list[int]  # [B]: the same as seq_lens, as Python ints
+    is_decode_only: bool  # every request runs exactly one token
+    # Decode groups: [B, 1, 1, K] bool, True where a key is inside the request's context.
+    decode_mask: torch.Tensor | None = None
+    # Prompt groups: per request, [Q_i, K_i] bool (True: the query sees the key), or None
+    # when the request has no cached prefix (Q_i == K_i: plain causal attention).
+    prompt_masks: list[torch.Tensor | None] | None = None
+    # A mixed step (decodes first, then prompt chunks) attends in two parts: (decode, prompt).
     parts: tuple[AttentionMetadata, AttentionMetadata] | None = None
     num_decode_tokens: int = 0
 
@@ -44,7 +52,7 @@ def reference_paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    """Gather every request's context from the pool and attend with a causal, padded mask."""
+    """Attend every query token over its request's context in the pool."""
     if meta.parts is not None:
         decode, prompt = meta.parts
         num_decode = meta.num_decode_tokens
@@ -52,28 +60,75 @@ def reference_paged_attention(
             reference_paged_attention(query[:num_decode], k_cache, v_cache, decode, scale),
             reference_paged_attention(query[num_decode:], k_cache, v_cache, prompt, scale),
         ])  # fmt: skip
-    num_tokens, num_heads, head_dim = query.shape
+    if meta.is_decode_only:
+        return decode_group_attention(query, k_cache, v_cache, meta, scale)
+    return prompt_attention(query, k_cache, v_cache, meta, scale)
+
+
+def decode_group_attention(
+    query: torch.Tensor,  # [B, H, D]: one query token per request
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """Gather every request's context, padded to the longest, and attend in one batched pass."""
+    num_requests, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    num_requests, max_query_len = meta.query_pad_index.shape
-    block_size = k_cache.shape[1]
-    max_context = meta.block_tables.shape[1] * block_size
+    max_context = meta.block_tables.shape[1] * k_cache.shape[1]
 
-    # [B, Q, H, D] -> [B, Hkv, group, Q, D]: query heads grouped under the KV head they share.
-    q = query[meta.query_pad_index]
-    q = q.view(num_requests, max_query_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    # [B, H, D] -> [B, Hkv, group, 1, D]: query heads grouped under the KV head they share.
+    q = query.view(num_requests, num_kv_heads, group, 1, head_dim)
     # [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, 1, K, D]
     k = k_cache[meta.block_tables].view(num_requests, max_context, num_kv_heads, head_dim)
     v = v_cache[meta.block_tables].view(num_requests, max_context, num_kv_heads, head_dim)
     k = k.permute(0, 2, 1, 3).unsqueeze(2)
     v = v.permute(0, 2, 1, 3).unsqueeze(2)
 
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, group, Q, K]
-    scores = scores.masked_fill(~meta.attn_mask, float("-inf"))
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, group, 1, K]
+    scores = scores.masked_fill(~meta.decode_mask[:, :, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [B, Hkv, group, Q, D]
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_requests * max_query_len, num_heads, head_dim)
-    return out[meta.query_unpad_index]  # [T, H, D]
+    out = torch.matmul(probs, v)  # [B, Hkv, group, 1, D]
+    return out.reshape(num_requests, num_heads, head_dim)
+
+
+def prompt_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Request by request: gather the context (cached prefix + new tokens), then one SDPA call.
+
+    Without padding, a prompt chunk costs what its own queries and context cost, whatever else
+    runs in the step; CPU's flash kernel takes the mask and grouped heads as they are.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
+    outputs = []
+    start = 0
+    for index, (num_queries, num_keys) in enumerate(
+        zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
+    ):
+        blocks = meta.block_tables[index, : -(-num_keys // block_size)]
+        k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:num_keys]  # [K_i, Hkv, D]
+        v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:num_keys]
+        q = query[start : start + num_queries]  # [Q_i, H, D]
+        mask = meta.prompt_masks[index]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # [1, H, Q_i, D]
+            k.transpose(0, 1)[None],  # [1, Hkv, K_i, D]
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, H, Q_i, D]
+        outputs.append(out[0].transpose(0, 1))  # [Q_i, H, D]
+        start += num_queries
+    return torch.cat(outputs)
 
 
 class PagedAttention(nn.Module):
@@ -96,17 +151,14 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H, D]
         assert self.k_cache is not None, "KV cache not bound: call ModelRunner.bind_kv_cache"
-        if torch.compiler.is_compiling() and meta.is_decode_only:
-            # The cache write is an opaque in-place op (traced, index_copy_ would copy the
-            # whole cache); the attention itself is traced, so inductor fuses it.
+        if torch.compiler.is_compiling():
+            # Only decode-only steps are compiled (ModelRunner.execute). The cache write is an
+            # opaque in-place op (traced, index_copy_ would copy the whole cache); the
+            # attention itself is traced, so inductor fuses it.
+            assert meta.is_decode_only, "only decode-only steps run compiled"
             torch.ops.nanoserve.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             return decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale
-            )
-        if torch.compiler.is_compiling():
-            # Any other batch: the cache write and the attention are one opaque op.
-            return torch.ops.nanoserve.paged_attention(
-                q, k, v, self.k_cache, self.v_cache, *_meta_tensors(meta), self.scale
             )
         return write_kv_and_attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
 
@@ -170,52 +222,6 @@ def _write_kv_op(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _meta_tensors(meta: AttentionMetadata) -> list[torch.Tensor]:
-    return [
-        meta.slot_mapping,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.query_lens,
-        meta.query_pad_index,
-        meta.query_unpad_index,
-        meta.attn_mask,
-    ]
-
-
-@torch.library.custom_op("nanoserve::paged_attention", mutates_args=("k_cache", "v_cache"))
-def _paged_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_lens: torch.Tensor,
-    query_pad_index: torch.Tensor,
-    query_unpad_index: torch.Tensor,
-    attn_mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    meta = AttentionMetadata(
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_lens,
-        query_pad_index,
-        query_unpad_index,
-        attn_mask,
-        is_decode_only=query_pad_index.shape[1] == 1,
-    )
-    return write_kv_and_attend(q, k, v, k_cache, v_cache, meta, scale)
-
-
-@_paged_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, *meta_and_scale) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
 def build_attention_metadata(
     query_lens: list[int],
     seq_lens: list[int],
@@ -253,37 +259,35 @@ def _build_group(
     device: torch.device,
 ) -> AttentionMetadata:
     num_requests = len(query_lens)
-    max_query_len = max(query_lens)
     max_blocks = max(len(t) for t in block_tables)
-    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
-    starts = torch.cumsum(query_lens_t, 0) - query_lens_t  # [B] first flat index of each request
-
-    offsets = torch.arange(max_query_len)  # [Q]
-    is_real_query = offsets[None, :] < query_lens_t[:, None]  # [B, Q]
-    query_pad_index = torch.where(is_real_query, starts[:, None] + offsets[None, :], 0)
-    padded_rows = torch.arange(num_requests)[:, None] * max_query_len + offsets[None, :]
-    query_unpad_index = padded_rows[is_real_query]  # [T], in flat token order
-
-    # Position of each query within its own sequence; a key at position j is visible if j <= it.
-    query_positions = (seq_lens_t - query_lens_t)[:, None] + offsets[None, :]  # [B, Q]
-    key_positions = torch.arange(max_blocks * block_size)
-    attn_mask = key_positions[None, None, :] <= query_positions[:, :, None]  # [B, Q, K]
-    attn_mask &= key_positions[None, None, :] < seq_lens_t[:, None, None]
-    attn_mask[~is_real_query] = False
-    attn_mask[:, :, 0] |= ~is_real_query  # padding rows see one key, so softmax stays finite
-
     table = torch.zeros(num_requests, max_blocks, dtype=torch.int64)
     for i, blocks in enumerate(block_tables):
         table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+    is_decode_only = max(query_lens) == 1
+
+    decode_mask = prompt_masks = None
+    if is_decode_only:
+        key_positions = torch.arange(max_blocks * block_size)  # [K]
+        decode_mask = (key_positions[None, :] < seq_lens_t[:, None])[:, None, None].to(device)
+    else:
+        # A query at position p (within its sequence) sees keys at positions <= p.
+        prompt_masks = []
+        for num_queries, num_keys in zip(query_lens, seq_lens, strict=True):
+            if num_queries == num_keys:
+                prompt_masks.append(None)  # no cached prefix: plain causal
+                continue
+            query_positions = torch.arange(num_keys - num_queries, num_keys, device=device)
+            key_positions = torch.arange(num_keys, device=device)
+            prompt_masks.append(key_positions[None, :] <= query_positions[:, None])  # [Q, K]
 
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
         block_tables=table.to(device),
         seq_lens=seq_lens_t.to(device),
-        query_lens=query_lens_t.to(device),
-        query_pad_index=query_pad_index.to(device),
-        query_unpad_index=query_unpad_index.to(device),
-        attn_mask=attn_mask[:, None, None].to(device),
-        is_decode_only=max_query_len == 1,
+        query_lens_list=list(query_lens),
+        seq_lens_list=list(seq_lens),
+        is_decode_only=is_decode_only,
+        decode_mask=decode_mask,
+        prompt_masks=prompt_masks,
     )
