@@ -135,8 +135,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--compile",
         dest="compile_decode",
         action="store_true",
-        help="torch.compile the decode step: about 2x faster per token on CPU, but it compiles "
-        "for tens of seconds (minutes for billion-parameter models on few cores) at start-up",
+        help="torch.compile the decode step: faster per token on CPU, but it compiles for tens "
+        "of seconds (minutes for billion-parameter models on few cores) at start-up, and on "
+        "CPU keeps a second copy of the bf16 linear weights",
     )
     parser.add_argument(
         "--enforce-eager",

@@ -37,10 +37,10 @@ class StepInputs:
     sampling_requests: list[Request]  # [S]
 
 
-def _pack_linear_weights(model: torch.nn.Module) -> None:
+def _pack_linear_weights(model: torch.nn.Module, keep_plain_weights: bool) -> None:
     """Pack every bf16 Linear's weight for oneDNN on CPU (see layers/packed_weights.py)."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    num_packed = sum(layer.pack_weight() for layer in layers)
+    num_packed = sum(layer.pack_weight(keep_plain_weights) for layer in layers)
     if num_packed:
         logger.info("packed %d of %d linear weights for oneDNN", num_packed, len(layers))
 
@@ -62,10 +62,12 @@ class ModelRunner:
     ) -> None:
         self.model = model
         if device.type == "cpu":
-            _pack_linear_weights(model)
+            # The compiled one-token path streams the plain weights: keep them too.
+            _pack_linear_weights(model, keep_plain_weights=compile_decode)
         # The fast path, switched on here only: decode steps run a torch.compile'd model
-        # (fused elementwise ops and decode attention; linears and the KV write stay opaque
-        # ops). Prefill and mixed steps, and the default, run the plain model.
+        # (fused elementwise ops and decode attention; one-token linears as weight-streaming
+        # reductions; batched linears and the KV write as opaque ops). Prefill and mixed steps,
+        # and the default, run the plain model.
         self.compiled_model = torch.compile(model, dynamic=True) if compile_decode else None
         self.compiled_logits = (
             torch.compile(model.compute_logits, dynamic=True) if compile_decode else None

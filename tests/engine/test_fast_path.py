@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
@@ -12,8 +13,16 @@ from nanoserve.engine.layers.attention import (
     decode_attention,
     reference_paged_attention,
 )
+from nanoserve.engine.layers.linear import one_token_linear
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.testing import make_tiny_checkpoint
+
+
+def test_one_token_linear_matches_f_linear():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(1, 48), torch.randn(40, 48), torch.randn(40)
+    torch.testing.assert_close(one_token_linear(x, weight, bias), F.linear(x, weight, bias))
+    torch.testing.assert_close(one_token_linear(x, weight, None), F.linear(x, weight))
 
 
 def test_decode_attention_matches_reference():

@@ -69,3 +69,17 @@ def test_engine_packs_bf16_weights_and_generates_the_same_tokens(tmp_path, monke
     assert all(m.packed_weight is None for m in plain_llm.engine.runner.model.modules()
                if isinstance(m, Linear))  # fmt: skip
     assert [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)] == packed
+
+
+@pytest.mark.slow
+def test_compiled_decode_keeps_the_plain_weight_for_one_token_steps(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path, "llama")
+    llm = LLM(checkpoint, dtype="bfloat16", compile_decode=True)  # compiles in warm-up
+    linears = [
+        m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)
+    ]  # fmt: skip
+    assert all(m.packed_weight is not None and m.weight is not None for m in linears)
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    for batch in ([[1, 2, 3]], [[1, 2, 3], [4, 5], [6] * 9]):  # one-token and batched decode
+        outputs = llm.generate(batch, params)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [6] * len(batch)
