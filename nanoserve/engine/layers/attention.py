@@ -35,8 +35,10 @@ class AttentionMetadata:
     query_lens_list: list[int]  # [B]: tokens each request runs now
     seq_lens_list: list[int]  # [B]: the same as seq_lens, as Python ints
     is_decode_only: bool  # every request runs exactly one token
-    # Decode groups: [B, 1, 1, K] bool, True where a key is inside the request's context.
+    # Decode groups: [B, 1, 1, K] bool, True where a key is inside the request's context, and
+    # [B, K] int64, the KV slot of each key position (block_id * block_size + offset).
     decode_mask: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
     # Prompt groups: per request, [Q_i, K_i] bool (True: the query sees the key), or None
     # when the request has no cached prefix (Q_i == K_i: plain causal attention).
     prompt_masks: list[torch.Tensor | None] | None = None
@@ -72,24 +74,27 @@ def decode_group_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [B, H, D]
-    """Gather every request's context, padded to the longest, and attend in one batched pass."""
+    """Gather every request's context, padded to the longest, and attend in one batched pass.
+
+    The gather reads K/V rows straight into a head-major [B, Hkv, K, D] layout, so both products
+    are plain batched matmuls over (request, KV head): no broadcast copies of the context (which
+    cost ~6x more at 8 requests of the 0.6B shape).
+    """
     num_requests, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_context = meta.block_tables.shape[1] * k_cache.shape[1]
+    kv_heads = torch.arange(num_kv_heads, device=query.device)
+    # Row of each (request, KV head, key) in the cache viewed as [num_slots * Hkv, D].
+    rows = meta.decode_slots[:, None, :] * num_kv_heads + kv_heads[None, :, None]  # [B, Hkv, K]
+    k = k_cache.view(-1, head_dim)[rows]  # [B, Hkv, K, D]
+    v = v_cache.view(-1, head_dim)[rows]  # [B, Hkv, K, D]
+    # [B, H, D] -> [B, Hkv, group, D]: query heads grouped under the KV head they share.
+    q = query.view(num_requests, num_kv_heads, group, head_dim)
 
-    # [B, H, D] -> [B, Hkv, group, 1, D]: query heads grouped under the KV head they share.
-    q = query.view(num_requests, num_kv_heads, group, 1, head_dim)
-    # [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, 1, K, D]
-    k = k_cache[meta.block_tables].view(num_requests, max_context, num_kv_heads, head_dim)
-    v = v_cache[meta.block_tables].view(num_requests, max_context, num_kv_heads, head_dim)
-    k = k.permute(0, 2, 1, 3).unsqueeze(2)
-    v = v.permute(0, 2, 1, 3).unsqueeze(2)
-
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, group, 1, K]
-    scores = scores.masked_fill(~meta.decode_mask[:, :, :, None], float("-inf"))
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, group, K]
+    scores = scores.masked_fill(~meta.decode_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [B, Hkv, group, 1, D]
+    out = torch.matmul(probs, v)  # [B, Hkv, group, D]
     return out.reshape(num_requests, num_heads, head_dim)
 
 
@@ -266,10 +271,12 @@ def _build_group(
         table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
     is_decode_only = max(query_lens) == 1
 
-    decode_mask = prompt_masks = None
+    decode_mask = decode_slots = prompt_masks = None
     if is_decode_only:
         key_positions = torch.arange(max_blocks * block_size)  # [K]
         decode_mask = (key_positions[None, :] < seq_lens_t[:, None])[:, None, None].to(device)
+        offsets = torch.arange(block_size)
+        decode_slots = (table[:, :, None] * block_size + offsets).view(num_requests, -1).to(device)
     else:
         # A query at position p (within its sequence) sees keys at positions <= p.
         prompt_masks = []
@@ -289,5 +296,6 @@ def _build_group(
         seq_lens_list=list(seq_lens),
         is_decode_only=is_decode_only,
         decode_mask=decode_mask,
+        decode_slots=decode_slots,
         prompt_masks=prompt_masks,
     )
