@@ -67,7 +67,9 @@ class ModelRunner:
         # The fast path, switched on here only: decode steps run a torch.compile'd model
         # (fused elementwise ops and decode attention; one-token linears as weight-streaming
         # reductions; batched linears and the KV write as opaque ops). Prefill and mixed steps,
-        # and the default, run the plain model.
+        # and the default, run the plain model; the LM head (sampled rows only) is compiled
+        # for every step. Compiling prefill steps too was measured slower: the per-request
+        # attention splits each layer into separately compiled pieces.
         self.compiled_model = torch.compile(model, dynamic=True) if compile_decode else None
         self.compiled_logits = (
             torch.compile(model.compute_logits, dynamic=True) if compile_decode else None
@@ -186,7 +188,9 @@ class ModelRunner:
         inputs = self.prepare_inputs(out)
         model, compute_logits = self.model, self.model.compute_logits
         if self.compiled_model is not None and inputs.attn_meta.is_decode_only:
-            model, compute_logits = self.compiled_model, self.compiled_logits
+            model = self.compiled_model
+        if self.compiled_logits is not None:
+            compute_logits = self.compiled_logits  # only the sampled rows, whatever the step
         hidden = model(inputs.input_ids, inputs.positions, inputs.attn_meta)  # [T, hidden]
         if not inputs.sampling_requests:
             return {}, {}
