@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.arms import parse_arm
+from benchmarks.arms import ArmOptions, Server, parse_arm
 from benchmarks.client import RequestResult, completion_body, stream_completion
 from benchmarks.metrics import summarize
 from benchmarks.workloads import WORKLOADS, autocomplete
@@ -98,6 +98,19 @@ def test_parse_arm():
     for bad in ("sglang", "url=x=ftp://h", "cmd=x=serve --port 8000", "url=x"):
         with pytest.raises(ValueError):
             parse_arm(bad)
+
+
+@pytest.mark.parametrize("policy", [None, "PASSIVE"])
+def test_every_arm_gets_the_same_threads_and_wait_policy(tmp_path, monkeypatch, policy):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the caller's own setting never leaks in
+    options = ArmOptions(
+        threads=3, max_model_len=256, startup_timeout_s=1, log_dir=tmp_path, omp_wait_policy=policy
+    )
+    for spec in ("nanoserve", "hf", "cmd=other=serve --port {port}"):
+        _, env, description = Server(parse_arm(spec), tmp_path, options)._launch()
+        assert env["OMP_NUM_THREADS"] == "3"
+        assert env.get("OMP_WAIT_POLICY") == policy
+        assert description["omp_wait_policy"] == (policy or "server's default")
 
 
 def test_autocomplete_debounce_and_prefixes(tmp_path):
