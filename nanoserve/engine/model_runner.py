@@ -191,10 +191,14 @@ class ModelRunner:
             model = self.compiled_model
         if self.compiled_logits is not None:
             compute_logits = self.compiled_logits  # only the sampled rows, whatever the step
-        hidden = model(inputs.input_ids, inputs.positions, inputs.attn_meta)  # [T, hidden]
+        # The model finishes only the rows we sample from (a prompt's last token), unless
+        # every row is sampled (decode-only steps, which keeps the compiled graph simple).
+        every_row_sampled = len(inputs.sampling_requests) == inputs.input_ids.shape[0]
+        output_rows = None if every_row_sampled else inputs.sample_rows
+        hidden = model(inputs.input_ids, inputs.positions, inputs.attn_meta, output_rows)
         if not inputs.sampling_requests:
             return {}, {}
-        logits = compute_logits(hidden[inputs.sample_rows])  # [S, vocab] float32
+        logits = compute_logits(hidden)  # [S, hidden] -> [S, vocab] float32
         requests = inputs.sampling_requests
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],

@@ -37,8 +37,11 @@ class PagedBatchRunner:
         ]
         self.num_computed = [0] * num_seqs
 
-    def step(self, chunks: dict[int, list[int]]) -> torch.Tensor:
-        """Run each sequence's next tokens in one batch; logits for every token [T, vocab]."""
+    def step(
+        self, chunks: dict[int, list[int]], output_rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """Run each sequence's next tokens in one batch; logits for every token [T, vocab],
+        or only for `output_rows` [S, vocab]."""
         input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
         for seq, tokens in chunks.items():
             start = self.num_computed[seq]
@@ -57,7 +60,8 @@ class PagedBatchRunner:
             query_lens, seq_lens, tables, slots, BLOCK_SIZE, torch.device("cpu")
         )
         with torch.no_grad():
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), meta)
+            rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.int64)
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), meta, rows)
             return self.model.compute_logits(hidden)
 
 
@@ -118,6 +122,23 @@ def test_chunked_prefill_and_decode_match_transformers(ours, reference):
             want = expected[seq][starts[seq] : starts[seq] + len(tokens)]
             assert (got - want).abs().max().item() <= TOLERANCE, (seq, starts[seq])
     assert runner.num_computed == [72, 19]
+
+
+def test_output_rows_finish_only_those_rows_and_still_cache_every_token(ours, reference):
+    """The runner asks for the rows it samples; the others' keys and values still reach the
+    cache, so the steps after match transformers."""
+    seq_a, seq_b = random_prompt(40, seed=3), random_prompt(25, seed=4)
+    expected = [reference_logits(reference, seq_a), reference_logits(reference, seq_b)]
+    runner = PagedBatchRunner(ours, num_seqs=2)
+    # A runs a first chunk (nothing to sample), B all but one token (sample its last row).
+    logits = runner.step({0: seq_a[:30], 1: seq_b[:24]}, output_rows=[53])
+    assert logits.shape == (1, 320)
+    assert (logits[0] - expected[1][23]).abs().max().item() <= TOLERANCE
+    # A chunk with no row to sample finishes no row at all.
+    assert runner.step({0: seq_a[30:39]}, output_rows=[]).shape == (0, 320)
+    logits = runner.step({0: seq_a[39:], 1: seq_b[24:]})  # every row
+    assert (logits[0] - expected[0][39]).abs().max().item() <= TOLERANCE
+    assert (logits[1] - expected[1][24]).abs().max().item() <= TOLERANCE
 
 
 def test_attention_layers_in_layer_order(ours):

@@ -53,18 +53,24 @@ def reference_paged_attention(
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     meta: AttentionMetadata,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's [T, Hkv, D] K and V
 ) -> torch.Tensor:  # [T, H, D]
-    """Attend every query token over its request's context in the pool."""
+    """Attend every query token over its request's context in the pool.
+
+    `new_kv` (already written to the pool) lets a prompt with no cached prefix, whose context
+    is exactly its own new tokens, attend over them without gathering them back.
+    """
     if meta.parts is not None:
         decode, prompt = meta.parts
-        num_decode = meta.num_decode_tokens
+        n = meta.num_decode_tokens
+        prompt_kv = None if new_kv is None else (new_kv[0][n:], new_kv[1][n:])
         return torch.cat([
-            reference_paged_attention(query[:num_decode], k_cache, v_cache, decode, scale),
-            reference_paged_attention(query[num_decode:], k_cache, v_cache, prompt, scale),
+            reference_paged_attention(query[:n], k_cache, v_cache, decode, scale),
+            reference_paged_attention(query[n:], k_cache, v_cache, prompt, scale, prompt_kv),
         ])  # fmt: skip
     if meta.is_decode_only:
         return decode_group_attention(query, k_cache, v_cache, meta, scale)
-    return prompt_attention(query, k_cache, v_cache, meta, scale)
+    return prompt_attention(query, k_cache, v_cache, meta, scale, new_kv)
 
 
 def decode_group_attention(
@@ -104,11 +110,13 @@ def prompt_attention(
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     meta: AttentionMetadata,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's [T, Hkv, D] K and V
 ) -> torch.Tensor:  # [T, H, D]
     """Request by request: gather the context (cached prefix + new tokens), then one SDPA call.
 
     Without padding, a prompt chunk costs what its own queries and context cost, whatever else
-    runs in the step; CPU's flash kernel takes the mask and grouped heads as they are.
+    runs in the step; CPU's flash kernel takes the mask and grouped heads as they are. A prompt
+    without a cached prefix attends over `new_kv` directly when given (no gather).
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     block_size = k_cache.shape[1]
@@ -117,11 +125,15 @@ def prompt_attention(
     for index, (num_queries, num_keys) in enumerate(
         zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
     ):
-        blocks = meta.block_tables[index, : -(-num_keys // block_size)]
-        k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:num_keys]  # [K_i, Hkv, D]
-        v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:num_keys]
-        q = query[start : start + num_queries]  # [Q_i, H, D]
         mask = meta.prompt_masks[index]
+        if mask is None and new_kv is not None:  # the context is the new tokens themselves
+            k = new_kv[0][start : start + num_queries]  # [K_i, Hkv, D]
+            v = new_kv[1][start : start + num_queries]
+        else:
+            blocks = meta.block_tables[index, : -(-num_keys // block_size)]
+            k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:num_keys]  # [K_i, Hkv, D]
+            v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:num_keys]
+        q = query[start : start + num_queries]  # [Q_i, H, D]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # [1, H, Q_i, D]
             k.transpose(0, 1)[None],  # [1, Hkv, K_i, D]
@@ -181,7 +193,7 @@ def write_kv_and_attend(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    return reference_paged_attention(q, k_cache, v_cache, meta, scale)
+    return reference_paged_attention(q, k_cache, v_cache, meta, scale, new_kv=(k, v))
 
 
 def decode_attention(

@@ -6,6 +6,18 @@ import torch
 from torch import nn
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., D] -> [..., D]
+    """x / rms(x) over the last dim, computed in float32 and rounded back to x's dtype.
+
+    This is RMSNorm without its learned scale: transformers rounds to the input dtype *before*
+    scaling, so callers multiply by the weight afterwards (and may use one weight per head).
+    """
+    input_dtype = x.dtype
+    x = x.float()
+    variance = x.pow(2).mean(-1, keepdim=True)  # [..., 1]
+    return (x * torch.rsqrt(variance + eps)).to(input_dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension, with a learned scale."""
 
@@ -15,12 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
-        input_dtype = x.dtype
-        x = x.float()
-        variance = x.pow(2).mean(-1, keepdim=True)  # [..., 1]
-        x = x * torch.rsqrt(variance + self.eps)
-        # Round to the input dtype *before* scaling, the order transformers uses.
-        return self.weight * x.to(input_dtype)
+        return self.weight * rms_normalize(x, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

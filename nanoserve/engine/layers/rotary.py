@@ -2,7 +2,8 @@
 
 The cos/sin table is computed once in float32 for every position up to
 `max_position_embeddings` and indexed by each token's position, so a batch can mix tokens of
-many requests at arbitrary positions.
+many requests at arbitrary positions. Each step looks up its positions once and casts them to
+the model's dtype (as transformers does before multiplying); every layer then reuses them.
 """
 
 from __future__ import annotations
@@ -79,15 +80,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [P, D/2] float32
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)  # [P, D/2] float32
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> (cos, sin), each [T, D/2] float32."""
-        return self.cos_cache[positions], self.sin_cache[positions]
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, signed_sin), each [T, 1, D] in `dtype`, for `apply_rotary`.
+
+        Looked up and cast once per step, then shared by every layer. `signed_sin` is
+        [-sin, sin]: the sign of the "rotate half" trick folded into the table.
+        """
+        cos = self.cos_cache[positions]  # [T, D/2] float32
+        sin = self.sin_cache[positions]  # [T, D/2] float32
+        cos = torch.cat((cos, cos), dim=-1).to(dtype)  # [T, D]
+        signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # [T, D]
+        return cos[:, None], signed_sin[:, None]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each head of x [T, H, D] by its token's angle; cos/sin are [T, D/2]."""
-    cos = cos.to(x.dtype).unsqueeze(1)  # [T, 1, D/2]
-    sin = sin.to(x.dtype).unsqueeze(1)  # [T, 1, D/2]
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    # Same as transformers' x * cos + rotate_half(x) * sin with cos/sin repeated twice.
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, D]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head of x [T, H, D] by its token's angle; cos/signed_sin are [T, 1, D].
+
+    transformers computes x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1].
+    Rolling x by half a head gives [x2, x1], and the signed table supplies the minus, so this
+    is the same arithmetic, rounding included, in four ops for all heads at once.
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin  # [T, H, D]

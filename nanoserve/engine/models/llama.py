@@ -8,10 +8,11 @@ on every head of q and k before RoPE), `rope_scaling` (Llama 3: "llama3" frequen
 `tie_word_embeddings` (lm_head shares the embedding matrix).
 
 The model works on one flat batch of tokens from any number of requests: `forward` takes token
-ids and positions of shape [T] plus the step's AttentionMetadata, and knows nothing of requests.
-Parameters carry checkpoint names (`model.layers.0.self_attn.o_proj.weight`), except that q/k/v
-and gate/up are fused into `qkv_proj` and `gate_up_proj` (one matmul each); the loader copies
-`q_proj`, `k_proj`, ... into their rows (see MergedLinear).
+ids and positions of shape [T] plus the step's AttentionMetadata, and knows nothing of requests
+(the runner may name the rows it samples from, `output_rows`, so that the last layer finishes
+only those). Parameters carry checkpoint names (`model.layers.0.self_attn.o_proj.weight`),
+except that q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj` (one matmul each);
+the loader copies `q_proj`, `k_proj`, ... into their rows (see MergedLinear).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from nanoserve.config import ModelConfig
 from nanoserve.engine.layers.attention import AttentionMetadata, PagedAttention
 from nanoserve.engine.layers.linear import Linear, MergedLinear
-from nanoserve.engine.layers.norm import RMSNorm
+from nanoserve.engine.layers.norm import RMSNorm, rms_normalize
 from nanoserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -55,23 +56,28 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, D/2]
-        sin: torch.Tensor,  # [T, D/2]
+        rope: tuple[torch.Tensor, torch.Tensor],  # (cos, signed_sin), each [T, 1, D]
         attn_meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
+        output_rows: torch.Tensor | None = None,  # [S]: rows to return; None: all
+    ) -> torch.Tensor:  # [T or S, hidden]
         num_tokens = x.shape[0]
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        # q and k are side by side in qkv, so the norm and RoPE treat all their heads at once.
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, num_heads + num_kv_heads, head_dim
+        )  # [T, H + Hkv, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, num_kv_heads, head_dim)
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            q_scale = self.q_norm.weight.expand(num_heads, head_dim)  # [H, D]
+            k_scale = self.k_norm.weight.expand(num_kv_heads, head_dim)  # [Hkv, D]
+            qk = torch.cat((q_scale, k_scale)) * rms_normalize(qk, self.q_norm.eps)
+        qk = apply_rotary(qk, *rope)
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         out = self.attn(q, k, v, attn_meta)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, H * D] -> [T, hidden]
+        if output_rows is not None:
+            out = out[output_rows]  # [S, H, D]
+        return self.o_proj(out.reshape(out.shape[0], self.q_size))  # [., H * D] -> [., hidden]
 
 
 class LlamaMLP(nn.Module):
@@ -103,11 +109,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         attn_meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_meta)
+        output_rows: torch.Tensor | None = None,  # [S]: rows to return; None: all
+    ) -> torch.Tensor:  # [T or S, hidden]
+        attn_out = self.self_attn(self.input_layernorm(x), rope, attn_meta, output_rows)
+        if output_rows is not None:
+            x = x[output_rows]
+        x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -134,11 +143,20 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         attn_meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
+        output_rows: torch.Tensor | None = None,  # [S]: rows to return; None: all
+    ) -> torch.Tensor:  # [T or S, hidden]
+        """Hidden states of every token, or only of `output_rows` (the rows to sample from).
+
+        Every layer must write all T tokens' keys and values to the cache, but past the last
+        layer's attention only the returned rows matter: there `output_rows` skips the output
+        projection and MLP of the others (for a prompt, all but its last token).
+        """
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions)  # [T, D/2] each
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn_meta)
+        rope = self.rotary_emb(positions, x.dtype)  # (cos, signed_sin), each [T, 1, D]
+        *layers, last_layer = self.layers
+        for layer in layers:
+            x = layer(x, rope, attn_meta)
+        x = last_layer(x, rope, attn_meta, output_rows)  # [T or S, hidden]
         return self.norm(x)
 
 
@@ -158,8 +176,9 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         attn_meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        return self.model(input_ids, positions, attn_meta)
+        output_rows: torch.Tensor | None = None,  # [S]: rows to return; None: all
+    ) -> torch.Tensor:  # [T or S, hidden]
+        return self.model(input_ids, positions, attn_meta, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         return self.lm_head(hidden).float()

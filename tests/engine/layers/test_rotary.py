@@ -47,9 +47,28 @@ def test_rotary_matches_transformers(rope_type):
     hf_q, hf_k = apply_rotary_pos_emb(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin
     )  # [1, H, T, D]
-    cos, sin = ours(positions)
-    torch.testing.assert_close(apply_rotary(q, cos, sin), hf_q[0].transpose(0, 1))
-    torch.testing.assert_close(apply_rotary(k, cos, sin), hf_k[0].transpose(0, 1))
+    cos, signed_sin = ours(positions, q.dtype)
+    torch.testing.assert_close(apply_rotary(q, cos, signed_sin), hf_q[0].transpose(0, 1))
+    torch.testing.assert_close(apply_rotary(k, cos, signed_sin), hf_k[0].transpose(0, 1))
+
+
+def test_bf16_rotation_is_bit_identical_to_transformers():
+    """Same roundings as transformers' x * cos + rotate_half(x) * sin, for q and k at once."""
+    hf_config = LlamaConfig(
+        hidden_size=HEAD_DIM * 4, num_attention_heads=4, max_position_embeddings=MAX_POSITION
+    )
+    hf_rope = LlamaRotaryEmbedding(hf_config)
+    ours = RotaryEmbedding(HEAD_DIM, MAX_POSITION, hf_config.rope_parameters["rope_theta"])
+    positions = torch.tensor([0, 3, 100, 2047, 5])
+    qk = torch.randn(len(positions), 6, HEAD_DIM, dtype=torch.bfloat16)  # [T, H + Hkv, D]
+    hf_cos, hf_sin = hf_rope(qk, positions[None])  # [1, T, D] in bf16
+    hf_q, hf_k = apply_rotary_pos_emb(
+        qk[:, :4].transpose(0, 1)[None], qk[:, 4:].transpose(0, 1)[None], hf_cos, hf_sin
+    )  # [1, H, T, D], [1, Hkv, T, D]
+    rotated = apply_rotary(qk, *ours(positions, torch.bfloat16))
+    assert rotated.dtype == torch.bfloat16
+    assert torch.equal(rotated[:, :4], hf_q[0].transpose(0, 1))
+    assert torch.equal(rotated[:, 4:], hf_k[0].transpose(0, 1))
 
 
 def test_rotary_keeps_float32_table_and_input_dtype():
@@ -57,10 +76,11 @@ def test_rotary_keeps_float32_table_and_input_dtype():
     assert rope.cos_cache.dtype == torch.float32
     assert rope.cos_cache.shape == (128, HEAD_DIM // 2)
     x = torch.randn(3, 2, HEAD_DIM, dtype=torch.bfloat16)
-    cos, sin = rope(torch.tensor([0, 5, 9]))
-    assert apply_rotary(x, cos, sin).dtype == torch.bfloat16
+    cos, signed_sin = rope(torch.tensor([0, 5, 9]), torch.bfloat16)
+    assert cos.shape == signed_sin.shape == (3, 1, HEAD_DIM)
+    assert apply_rotary(x, cos, signed_sin).dtype == torch.bfloat16
     # Position 0 is the identity rotation.
-    torch.testing.assert_close(apply_rotary(x, cos, sin)[0], x[0])
+    torch.testing.assert_close(apply_rotary(x, cos, signed_sin)[0], x[0])
 
 
 def test_unsupported_rope_type_lists_supported():
