@@ -164,3 +164,12 @@ def test_worker_environment_leaves_a_core_and_keeps_openmp_waiting(monkeypatch):
     assert env["OMP_NUM_THREADS"] == "7" and "OMP_WAIT_POLICY" not in env
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
     assert worker_environment()["OMP_NUM_THREADS"] == "3"
+
+
+def test_worker_environment_asks_for_huge_pages_unless_told_otherwise(monkeypatch):
+    from nanoserve.worker.process import worker_environment
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert worker_environment()["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert worker_environment()["THP_MEM_ALLOC_ENABLE"] == "0"
