@@ -73,6 +73,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--max-concurrency", type=int, default=1, help="shared-prefix concurrency")
     load.add_argument("--request-timeout-s", type=float, default=600.0)
     load.add_argument("--startup-timeout-s", type=float, default=900.0)
+    load.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with R > 1 every server stays up and each round runs every arm in turn (the order "
+        "rotating), with per-round prompt prefixes; the table pools all rounds. Needs memory "
+        "for all servers at once",
+    )
     board = p.add_argument_group("scoreboard")
     board.add_argument("--scoreboard-prompts", type=int, default=8)
     board.add_argument("--scoreboard-max-tokens", type=int, default=50)
@@ -127,6 +135,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--concurrency levels must be ≥ 1, got {args.concurrency}")
     if args.threads is None or args.threads < 1:
         p.error(f"--threads must be ≥ 1, got {args.threads}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be ≥ 1, got {args.rounds}")
     if args.request_rate <= 0:
         p.error(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
     return args
@@ -262,9 +272,13 @@ def write_outputs(
     run_info: dict,
     args: argparse.Namespace,
     log_dir: Path,
+    per_round: list[tuple[Workload, dict]] | None = None,
 ) -> tuple[Path, str]:
+    """results.json, results.md and plots; with rounds, the pooled table and one per round."""
     out_dir = results_dir(args.output_root, workload.name)
-    rows = report.build_rows(workload, arm_results, baseline, run_info.get("bound_tok_s"))
+    bound = run_info.get("bound_tok_s")
+    rows = report.build_rows(workload, arm_results, baseline, bound)
+    round_rows = [report.build_rows(w, r, baseline, bound) for w, r in per_round or []]
     columns = report.columns_for(workload)
     plots: list[str] = []
     plot_error = None
@@ -297,16 +311,21 @@ def write_outputs(
         },
         "plots": plots,
         "plot_error": plot_error,
+        "rounds": [{"rows": r} for r in round_rows],
     }
     (out_dir / "results.json").write_text(json.dumps(document, indent=1))
     for log in log_dir.glob("*.log"):
         shutil.copy(log, out_dir / log.name)
-    markdown = render_markdown(workload, columns, rows, arm_descriptions, baseline, run_info, plots)
+    markdown = render_markdown(
+        workload, columns, rows, arm_descriptions, baseline, run_info, plots, round_rows
+    )
     (out_dir / "results.md").write_text(markdown)
     return out_dir, markdown
 
 
-def render_markdown(workload, columns, rows, arm_descriptions, baseline, run_info, plots) -> str:
+def render_markdown(
+    workload, columns, rows, arm_descriptions, baseline, run_info, plots, round_rows=()
+) -> str:
     params = ", ".join(
         f"{k}={v}" for k, v in workload.params.items() if k not in ("warmup_prompts", "source")
     )
@@ -347,9 +366,120 @@ def render_markdown(workload, columns, rows, arm_descriptions, baseline, run_inf
         "greedy (temperature 0); 'greedy outputs' counts prompts both arms finished with "
         "identical text (bf16 numerics and batching may legitimately differ).",
     ]
+    if round_rows:
+        lines[lines.index(f"## Results (ratios: arm ÷ {baseline})")] = (
+            f"## Results, {len(round_rows)} rounds pooled (ratios: arm ÷ {baseline})"
+        )
+        lines += [
+            "",
+            "## Each round",
+            "",
+            "Every server stayed up; each round ran the arms in turn, the order rotating, with "
+            "the prompts behind a per-round prefix (no prefix-cache hits across rounds).",
+        ]
+        for index, rows_of_round in enumerate(round_rows):
+            lines += [
+                "",
+                f"Round {index + 1}:",
+                "",
+                report.markdown_table(columns, rows_of_round, baseline),
+            ]
     if plots:
         lines += ["", *[f"![{name}]({name})" for name in plots]]
     return "\n".join(lines) + "\n"
+
+
+def _arm_description(spec, server: Server, status: str, args: argparse.Namespace) -> dict:
+    dtype = "bfloat16" if not args.model else "the checkpoint's"
+    return {"name": spec.name, "dtype": dtype, **server.description, "status": status}
+
+
+def _start(server: Server) -> None:
+    name = server.spec.name
+    print(f"[{name}] starting...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    server.start()
+    print(
+        f"[{name}] ready at {server.base_url} after {time.perf_counter() - started:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run_arms_in_turn(arms, built, model_dir, options, args):
+    """Start one server, run every workload against it, stop it; then the next arm."""
+    results: dict[str, dict[str, dict]] = {w.name: {} for w in built}
+    descriptions, failed = [], False
+    for spec in arms:
+        server = Server(spec, model_dir, options)
+        try:
+            _start(server)
+            for workload in built:
+                results[workload.name][spec.name] = run_workload(server, workload, args)
+            status = "ok"
+        except Exception as exc:  # one arm failing must not hide the others' results
+            status = f"failed: {exc}".splitlines()[0][:200]
+            print(f"[{spec.name}] {exc}", file=sys.stderr, flush=True)
+            failed = True
+        finally:
+            server.stop()
+        descriptions.append(_arm_description(spec, server, status, args))
+    return results, descriptions, failed
+
+
+def run_arms_in_rounds(arms, built, model_dir, options, args):
+    """Start every server, then run each round's workloads against every arm in turn.
+
+    The arm order rotates from round to round, so slow drifts of the machine (other tenants,
+    clock, memory bandwidth) fall on every arm alike; the servers idle while not measured.
+    Returns [(round's workloads, {workload: {arm: phases}})], the arm descriptions, and
+    whether an arm failed.
+    """
+    servers = {spec.name: Server(spec, model_dir, options) for spec in arms}
+    statuses, failed = {}, False
+    try:
+        for name, server in servers.items():
+            try:
+                _start(server)
+                statuses[name] = "ok"
+            except Exception as exc:
+                statuses[name] = f"failed: {exc}".splitlines()[0][:200]
+                print(f"[{name}] {exc}", file=sys.stderr, flush=True)
+                failed = True
+        names = [name for name in servers if statuses[name] == "ok"]
+        rounds = []
+        for index in range(args.rounds):
+            round_workloads = [workloads.for_round(w, index) for w in built]
+            round_results: dict[str, dict[str, dict]] = {w.name: {} for w in built}
+            shift = index % max(1, len(names))
+            for name in names[shift:] + names[:shift]:
+                print(f"round {index + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+                for workload in round_workloads:
+                    phases = run_workload(servers[name], workload, args)
+                    round_results[workload.name][name] = phases
+            # Rows keep the arms' order, whoever ran first.
+            for workload in round_workloads:
+                by_arm = round_results[workload.name]
+                round_results[workload.name] = {name: by_arm[name] for name in names}
+            rounds.append((round_workloads, round_results))
+    finally:
+        for server in servers.values():
+            server.stop()
+    descriptions = [
+        _arm_description(spec, servers[spec.name], statuses[spec.name], args) for spec in arms
+    ]
+    return rounds, descriptions, failed
+
+
+def pool_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """{arm: {phase: (results, seconds)}} of each round -> one, requests and time summed."""
+    pooled: dict[str, dict] = {}
+    for round_results in rounds:
+        for arm, phases in round_results.items():
+            for label, (results, duration_s) in phases.items():
+                so_far, seconds = pooled.setdefault(arm, {}).get(label, ([], 0.0))
+                pooled[arm][label] = (so_far + results, seconds + duration_s)
+    return pooled
 
 
 def _warn_if_busy(load_average: float) -> None:
@@ -426,39 +556,28 @@ def main(argv: list[str] | None = None) -> int:
             omp_wait_policy=args.omp_wait_policy,
         )
         _warn_if_busy(run_info["machine"]["load_average_at_start"])
-        results: dict[str, dict[str, dict]] = {w.name: {} for w in built}
-        descriptions = []
-        failed = False
-        for spec in arms:
-            server = Server(spec, model_dir, options)
-            print(f"[{spec.name}] starting...", file=sys.stderr, flush=True)
-            started = time.perf_counter()
-            try:
-                server.start()
-                print(
-                    f"[{spec.name}] ready at {server.base_url} after "
-                    f"{time.perf_counter() - started:.1f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                for workload in built:
-                    results[workload.name][spec.name] = run_workload(server, workload, args)
-                status = "ok"
-            except Exception as exc:  # one arm failing must not hide the others' results
-                status = f"failed: {exc}".splitlines()[0][:200]
-                print(f"[{spec.name}] {exc}", file=sys.stderr, flush=True)
-                failed = True
-            finally:
-                server.stop()
-            dtype = "bfloat16" if not args.model else "the checkpoint's"
-            description = {"name": spec.name, "dtype": dtype, **server.description}
-            description["status"] = status
-            descriptions.append(description)
-
+        if args.rounds == 1:
+            results, descriptions, failed = run_arms_in_turn(arms, built, model_dir, options, args)
+            rounds = None
+        else:
+            rounds, descriptions, failed = run_arms_in_rounds(arms, built, model_dir, options, args)
+            results = {w.name: pool_rounds([r[w.name] for _, r in rounds]) for w in built}
+            if rounds:
+                built = [workloads.pooled([rw[i] for rw, _ in rounds]) for i in range(len(built))]
         run_info["machine"]["load_average_at_end"] = os.getloadavg()[0]
-        for workload in built:
+        for index, workload in enumerate(built):
+            per_round = None
+            if rounds is not None:
+                per_round = [(rw[index], r[workload.name]) for rw, r in rounds]
             out_dir, markdown = write_outputs(
-                workload, results[workload.name], descriptions, baseline, run_info, args, log_dir
+                workload,
+                results[workload.name],
+                descriptions,
+                baseline,
+                run_info,
+                args,
+                log_dir,
+                per_round,
             )
             print(markdown)
             print(f"wrote {out_dir}", file=sys.stderr)

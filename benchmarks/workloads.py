@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 WORKLOADS = ("scoreboard", "sweep", "autocomplete", "shared-prefix")
@@ -226,3 +226,35 @@ def shared_prefix(
         "request_rate": request_rate,
     }
     return Workload("shared-prefix", [phase], params)
+
+
+def for_round(workload: Workload, round_index: int) -> Workload:
+    """The workload's prompts behind a per-round prefix, for `--rounds`.
+
+    A server that already saw a prompt would answer it from its prefix cache the second time
+    round (and only block-aligned caches would notice), so every round starts each prompt with
+    its own words. Prompts of one round still share what they shared before (a shared-prefix
+    group's system prompt, the text typed so far).
+    """
+    salt = f"Round {round_index + 1}. "
+    phases = [
+        replace(phase, prompts=[salt + p for p in phase.prompts]) for phase in workload.phases
+    ]
+    return replace(workload, phases=phases)
+
+
+def pooled(rounds: list[Workload]) -> Workload:
+    """One workload whose phases hold every round's prompts in order (groups kept apart)."""
+    first = rounds[0]
+    phases = []
+    for index, phase in enumerate(first.phases):
+        per_round = [w.phases[index] for w in rounds]
+        groups = send_times_s = None
+        if phase.groups is not None:
+            span = max(phase.groups) + 1
+            groups = [g + r * span for r, p in enumerate(per_round) for g in p.groups]
+        if phase.send_times_s is not None:
+            send_times_s = [t for p in per_round for t in p.send_times_s]
+        prompts = [q for p in per_round for q in p.prompts]
+        phases.append(replace(phase, prompts=prompts, groups=groups, send_times_s=send_times_s))
+    return replace(first, phases=phases)

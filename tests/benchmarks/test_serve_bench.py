@@ -184,3 +184,59 @@ def test_harness_end_to_end(tmp_path):
     sweep_doc = json.loads(next(out.glob("*-sweep")).joinpath("results.json").read_text())
     assert "throughput_vs_concurrency.png" in sweep_doc["plots"]
     assert [r["concurrency"] for r in sweep_doc["table"]["rows"]] == [1, 2, 1, 2]
+
+
+def test_rounds_salt_every_prompt_and_pool_in_order():
+    """Each round's prompts start with words of their own; pooling keeps groups apart."""
+    from benchmarks.workloads import Phase, Workload, for_round, pooled
+
+    base = Workload(
+        "shared-prefix",
+        [Phase("c=1", ["system. q1", "system. q2", "other. q3"], 4, groups=[0, 0, 1])],
+        {},
+    )
+    rounds = [for_round(base, index) for index in range(3)]
+    first_words = {w.phases[0].prompts[0].split(".")[0] for w in rounds}
+    assert len(first_words) == 3  # no prompt of one round prefixes one of another
+    assert all(w.phases[0].prompts[0].endswith("system. q1") for w in rounds)
+    assert base.phases[0].prompts == ["system. q1", "system. q2", "other. q3"]  # not mutated
+    merged = pooled(rounds).phases[0]
+    assert merged.prompts == [p for w in rounds for p in w.phases[0].prompts]
+    assert merged.groups == [0, 0, 1, 2, 2, 3, 4, 4, 5]
+
+
+@pytest.mark.slow
+def test_harness_rounds_end_to_end(tmp_path):
+    """--rounds 2: both servers up at once, one pooled table plus one table per round."""
+    out = tmp_path / "results"
+    command = [
+        sys.executable, "-m", "benchmarks.serve_bench",
+        "--workload", "scoreboard", "shared-prefix", "--arm", "nanoserve", "--arm", "hf",
+        "--rounds", "2", "--preset", "test", "--model-dir", str(tmp_path / "model"),
+        "--output-root", str(out), "--num-warmup", "1", "--no-plots",
+        "--scoreboard-prompts", "2", "--scoreboard-max-tokens", "3",
+        "--scoreboard-concurrency", "2",
+        "--num-groups", "2", "--prompts-per-group", "2", "--prefix-len", "40",
+        "--question-len", "8", "--prefix-output-len", "3",
+    ]  # fmt: skip
+    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stderr.count("[nanoserve] ready") == 1  # started once for both rounds
+    # The order rotates: nanoserve first in round 1, hf first in round 2.
+    order = [line.split(": ")[1] for line in run.stderr.splitlines() if line.startswith("round ")]
+    assert order == ["nanoserve", "hf", "hf", "nanoserve"]
+    for workload in ("scoreboard", "shared-prefix"):
+        (out_dir,) = out.glob(f"*-{workload}")
+        document = json.loads((out_dir / "results.json").read_text())
+        markdown = (out_dir / "results.md").read_text()
+        assert "2 rounds pooled" in markdown and "Round 2:" in markdown
+        assert len(document["rounds"]) == 2
+        for round_ in document["rounds"]:
+            assert [row["arm"] for row in round_["rows"]] == ["nanoserve", "hf"]
+        for phase in document["phases"]["nanoserve"].values():
+            per_round = len(phase["requests"]) // 2
+            assert per_round == (2 if workload == "scoreboard" else 4)
+            assert phase["summary"]["num_errors"] == 0
+        rows = document["table"]["rows"]
+        assert all(row["num_errors"] == 0 for row in rows)
+        assert "same as nanoserve" in rows[1]["greedy_match"]
