@@ -100,8 +100,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
     transformers computes x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1].
     Here the halves are swapped to [x2, x1] and the signed table supplies the minus: the same
-    arithmetic, rounding included, for all heads at once. (`torch.roll` would say the same but
-    compiles to a slower decode step: inductor inlines it into the attention loop.)
+    arithmetic, rounding included, in fewer ops. (`torch.roll` would say the same but compiles
+    to a slower decode step: inductor inlines it into the attention loop.)
     """
     x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
     return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin  # [T, H, D]
