@@ -69,12 +69,12 @@ class LlamaAttention(nn.Module):
         )  # [T, H + Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, num_kv_heads, head_dim)
         if self.qk_norm:
-            qk = rms_normalize(qk, self.q_norm.eps)
-        q, k = qk.split([num_heads, num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
-        if self.qk_norm:
-            q, k = self.q_norm.weight * q, self.k_norm.weight * k
-        # (Scaling and rotating q and k apart, too, compiles to a faster decode step: inductor
-        # inlines q's arithmetic into the attention loop, where joint-head indexing costs.)
+            q, k = rms_normalize(qk, self.q_norm.eps).split([num_heads, num_kv_heads], dim=1)
+            # Scaling (and rotating) q and k apart compiles to a faster decode step than one
+            # joint-head op: inductor inlines q's arithmetic into the attention loop.
+            q, k = self.q_norm.weight * q, self.k_norm.weight * k  # [T, H, D], [T, Hkv, D]
+        else:
+            q, k = qk.split([num_heads, num_kv_heads], dim=1)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.attn(q, k, v, attn_meta)  # [T, H, D]
         if output_rows is not None:
