@@ -394,6 +394,12 @@ def _arm_description(spec, server: Server, status: str, args: argparse.Namespace
     return {"name": spec.name, "dtype": dtype, **server.description, "status": status}
 
 
+def _failure(name: str, exc: Exception) -> str:
+    """Report an arm's failure; its status for the table."""
+    print(f"[{name}] {exc}", file=sys.stderr, flush=True)
+    return f"failed: {exc}".splitlines()[0][:200]
+
+
 def _start(server: Server) -> None:
     name = server.spec.name
     print(f"[{name}] starting...", file=sys.stderr, flush=True)
@@ -418,9 +424,7 @@ def run_arms_in_turn(arms, built, model_dir, options, args):
                 results[workload.name][spec.name] = run_workload(server, workload, args)
             status = "ok"
         except Exception as exc:  # one arm failing must not hide the others' results
-            status = f"failed: {exc}".splitlines()[0][:200]
-            print(f"[{spec.name}] {exc}", file=sys.stderr, flush=True)
-            failed = True
+            status, failed = _failure(spec.name, exc), True
         finally:
             server.stop()
         descriptions.append(_arm_description(spec, server, status, args))
@@ -443,24 +447,19 @@ def run_arms_in_rounds(arms, built, model_dir, options, args):
                 _start(server)
                 statuses[name] = "ok"
             except Exception as exc:
-                statuses[name] = f"failed: {exc}".splitlines()[0][:200]
-                print(f"[{name}] {exc}", file=sys.stderr, flush=True)
-                failed = True
+                statuses[name], failed = _failure(name, exc), True
         names = [name for name in servers if statuses[name] == "ok"]
         rounds = []
         for index in range(args.rounds):
             round_workloads = [workloads.for_round(w, index) for w in built]
-            round_results: dict[str, dict[str, dict]] = {w.name: {} for w in built}
+            # Keyed in the arms' order (the table's rows), whoever runs first.
+            round_results = {w.name: dict.fromkeys(names) for w in built}
             shift = index % max(1, len(names))
             for name in names[shift:] + names[:shift]:
                 print(f"round {index + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
                 for workload in round_workloads:
                     phases = run_workload(servers[name], workload, args)
                     round_results[workload.name][name] = phases
-            # Rows keep the arms' order, whoever ran first.
-            for workload in round_workloads:
-                by_arm = round_results[workload.name]
-                round_results[workload.name] = {name: by_arm[name] for name in names}
             rounds.append((round_workloads, round_results))
     finally:
         for server in servers.values():
@@ -562,8 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rounds, descriptions, failed = run_arms_in_rounds(arms, built, model_dir, options, args)
             results = {w.name: pool_rounds([r[w.name] for _, r in rounds]) for w in built}
-            if rounds:
-                built = [workloads.pooled([rw[i] for rw, _ in rounds]) for i in range(len(built))]
+            built = [workloads.pooled([rw[i] for rw, _ in rounds]) for i in range(len(built))]
         run_info["machine"]["load_average_at_end"] = os.getloadavg()[0]
         for index, workload in enumerate(built):
             per_round = None
