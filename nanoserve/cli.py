@@ -1,18 +1,26 @@
-"""The `nanoserve` command line. `nanoserve serve --model M` runs the OpenAI-compatible server.
+"""The `nanoserve` command line: `serve` (the OpenAI-compatible server), `chat` and `bench`.
 
-Each subcommand registers its own parser in `build_parser`; more (chat, bench) plug in the same
-way.
+Each subcommand registers its own parser in `build_parser`. `serve` takes its defaults from the
+config dataclasses (`EngineConfig`, `ServerConfig`) and validates every setting, resolves the
+checkpoint (config and tokenizer only: the worker reads the weights) and reads its config.json
+before a worker starts, so a bad setting is one line on stderr and exit code 2. This module and
+everything it imports for `serve` stay out of `nanoserve.engine`: the front never loads the model
+code.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
+
+from nanoserve.config import DTYPES, LOAD_FORMATS, EngineConfig
 
 logger = logging.getLogger("nanoserve")
 
@@ -36,6 +44,11 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def config_default(config_class: type, name: str) -> Any:
+    """The default of field `name` of a config dataclass: the CLI keeps no second copy."""
+    return {f.name: f.default for f in dataclasses.fields(config_class)}[name]
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows a flag's default unless its help already explains it or there is none."""
 
@@ -47,12 +60,6 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{help_text} (default: %(default)s)"
 
 
-def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
-    from nanoserve.chat_client import add_chat_parser as add_parser
-
-    add_parser(subparsers)
-
-
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -61,12 +68,42 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "streaming. The HTTP front runs in this process; the model runs in a worker process.",
         formatter_class=_HelpFormatter,
     )
+    _add_model_flags(parser)
+    _add_http_flags(parser)
+    _add_limit_flags(parser)
+    _add_speed_flags(parser)
+    parser.set_defaults(handler=run_serve)
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     parser.add_argument(
         "--model",
         help="checkpoint directory or Hugging Face hub id (e.g. Qwen/Qwen3-1.7B); default: the "
         "small demo model shipped in the package (a toy that completes Python code)",
     )
+    parser.add_argument(
+        "--dtype", default=config_default(EngineConfig, "dtype"), choices=["auto", *DTYPES],
+        help="weight and activation dtype (auto: the checkpoint's; float16 is bfloat16 on CPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device", default=config_default(EngineConfig, "device"), help="auto, cpu, cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--load-format", default=config_default(EngineConfig, "load_format"), choices=LOAD_FORMATS,
+        help="dummy: random weights from the config (for benchmarks)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, default=config_default(EngineConfig, "seed"),
+        help="seed of the engine's random state",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chat-template",
+        help="chat template to use instead of the checkpoint's: a Jinja string or a .jinja file",
+    )
+
+
+def _add_http_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
@@ -81,70 +118,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="require 'Authorization: Bearer <key>' on /v1/* (default: $NANOSERVE_API_KEY)",
     )
     parser.add_argument(
-        "--max-model-len",
-        type=int,
-        help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
-    )
-    parser.add_argument(
-        "--max-num-seqs", type=int, default=64, help="most requests in one running batch"
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help="most tokens in one engine step (default: max(2048, max_model_len))",
-    )
-    parser.add_argument(
-        "--kv-cache-memory",
-        type=parse_bytes,
-        help="bytes for the KV cache, e.g. 4GiB (default on CPU: 2 GiB)",
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="on CUDA: fraction of GPU memory for weights + KV cache",
-    )
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-        help="weight and activation dtype (auto: the checkpoint's; float16 is bfloat16 on CPU)",
-    )  # fmt: skip
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument(
-        "--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-        help="dummy: random weights from the config (for benchmarks)",
-    )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="seed of the engine's random state")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    parser.add_argument(
-        "--chat-template",
-        help="chat template to use instead of the checkpoint's: a Jinja string or a .jinja file",
-    )
-    parser.add_argument(
         "--max-waiting-requests",
         type=int,
         default=1024,
         help="answer 503 with Retry-After when this many requests wait for their first token",
     )
-    parser.add_argument(
-        "--no-enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="do not share KV blocks between requests with the same prefix",
-    )
-    parser.add_argument(
-        "--compile",
-        dest="compile_decode",
-        action="store_true",
-        help="torch.compile the decode step: faster per token on CPU, but it compiles for tens "
-        "of seconds (minutes for billion-parameter models on few cores) at start-up, and on "
-        "CPU keeps a second copy of the bf16 linear weights",
-    )
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="always the plain eager path, even with --compile",
-    )
-    parser.add_argument("--num-kv-blocks", type=int, help=argparse.SUPPRESS)  # tests
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -158,16 +136,66 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=["debug", "info", "warning", "error", "critical"],
         help="log level of the server and the worker",
     )
-    parser.set_defaults(handler=run_serve)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve", description="A small LLM inference server.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_serve_parser(subparsers)
-    add_chat_parser(subparsers)
-    add_bench_parser(subparsers)
-    return parser
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=config_default(EngineConfig, "max_num_seqs"),
+        help="most requests in one running batch",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="most tokens in one engine step (default: max(2048, max_model_len))",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        help="bytes for the KV cache, e.g. 4GiB (default on CPU: up to 2 GiB)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float,
+        default=config_default(EngineConfig, "gpu_memory_utilization"),
+        help="on CUDA: fraction of GPU memory for weights + KV cache",
+    )  # fmt: skip
+    parser.add_argument(
+        "--block-size", type=int, default=config_default(EngineConfig, "block_size"),
+        help="tokens per KV-cache block (a power of two)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not share KV blocks between requests with the same prefix",
+    )
+    parser.add_argument("--num-kv-blocks", type=int, help=argparse.SUPPRESS)  # tests
+
+
+def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile",
+        dest="compile_decode",
+        action="store_true",
+        help="torch.compile the decode step: faster per token on CPU, but it compiles for tens "
+        "of seconds (minutes for billion-parameter models on few cores) at start-up, and on "
+        "CPU keeps a second copy of the bf16 linear weights",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="always the plain eager path, even with --compile",
+    )
+
+
+def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
+    from nanoserve.chat_client import add_chat_parser as add_parser
+
+    add_parser(subparsers)
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -178,6 +206,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
     parser.set_defaults(handler=lambda args: run_bench(args.bench_args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve", description="A small LLM inference server.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_serve_parser(subparsers)
+    add_chat_parser(subparsers)
+    add_bench_parser(subparsers)
+    return parser
 
 
 def run_bench(bench_args: list[str]) -> int:
@@ -196,13 +233,42 @@ def run_bench(bench_args: list[str]) -> int:
     return bench_main(bench_args) or 0
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
+    """The engine's settings from `serve`'s flags (ValueError names a bad one)."""
+    return EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        compile_decode=args.compile_decode,
+        enforce_eager=args.enforce_eager,
+    )
 
-    from nanoserve.config import EngineConfig
-    from nanoserve.engine.loader import resolve_model_path
-    from nanoserve.server.app import ServerConfig, create_app
-    from nanoserve.server.engine_client import ZmqEngineClient
+
+def check_engine_config(config: EngineConfig) -> Path:
+    """Resolve the checkpoint (no weights) and check the limits against its config.json.
+
+    Returns the checkpoint directory, whose tokenizer the front loads. Raises ValueError.
+    """
+    from nanoserve.checkpoint import load_model_config, resolve_checkpoint
+
+    model_dir = resolve_checkpoint(config.model, config.load_format, with_weights=False)
+    max_model_len = config.resolve_max_model_len(load_model_config(model_dir))
+    config.scheduler_config(max_model_len)  # the batch limits against that length
+    return model_dir
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from nanoserve.server.app import ServerConfig
     from nanoserve.tokenizer import load_tokenizer
 
     model = args.model or args.model_pos or str(DEMO_MODEL_DIR)
@@ -210,37 +276,30 @@ def run_serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        engine_config = EngineConfig(
-            model=model,
-            dtype=args.dtype,
-            device=args.device,
-            load_format=args.load_format,
-            seed=args.seed,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            num_kv_blocks=args.num_kv_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
-            compile_decode=args.compile_decode,
-            enforce_eager=args.enforce_eager,
-        )
+        engine_config = engine_config_from_args(args, model)
         server_config = ServerConfig(
             model=model,
             served_model_names=tuple(args.served_model_name or [model]),
             api_key=args.api_key or None,
             max_waiting_requests=args.max_waiting_requests,
         )
-        # The dummy format needs no download: its directory holds a preset config and tokenizer.
-        tokenizer_dir = resolve_model_path(model, args.load_format)
-        tokenizer = load_tokenizer(tokenizer_dir, chat_template=args.chat_template)
+        model_dir = check_engine_config(engine_config)
+        tokenizer = load_tokenizer(model_dir, chat_template=args.chat_template)
     except ValueError as e:
         print(f"nanoserve serve: {e}", file=sys.stderr)
         return 2
+    return _run_server(args, engine_config, server_config, tokenizer)
+
+
+def _run_server(args: argparse.Namespace, engine_config: EngineConfig, server_config, tokenizer):
+    """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if the server never started."""
+    import uvicorn
+
+    from nanoserve.server.app import create_app
+    from nanoserve.server.engine_client import ZmqEngineClient
+
     client = ZmqEngineClient(engine_config, log_level=args.log_level)
-    app = create_app(server_config, client, tokenizer, shutdown_timeout_s=5.0)
+    app = create_app(server_config, client, tokenizer, shutdown_timeout_s=args.shutdown_timeout)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -1,4 +1,9 @@
-"""Frozen configuration, one dataclass per boundary, validated where it is made.
+"""Frozen configuration, one dataclass per boundary, validated where it is made (torch-free).
+
+`EngineConfig` is what a user chooses (the CLI's flags take their defaults from it); it checks
+every value when it is made, so a bad setting is a one-line error before any weight loads.
+`CacheConfig` and `SchedulerConfig` are the parts the KV cache and the scheduler receive, made
+from it once the model's own limits are known (`ModelConfig`, read from config.json).
 
 Values found at run time (the number of KV blocks, EOS ids) live beside these configs in the
 objects that discover them; they are never written back into a config.
@@ -6,13 +11,11 @@ objects that discover them; they are never written back into a config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the HTTP front imports these configs and must not pay for importing torch
-    import torch
+from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DEFAULT_MIN_BATCHED_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -50,22 +53,28 @@ class CacheConfig:
     """How the paged KV cache is laid out and how much memory it may take."""
 
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; the CPU budget (default: 2 GiB on CPU)
+    kv_cache_memory: int | None = None  # bytes; the CPU budget (default: up to 2 GiB on CPU)
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + KV on CUDA
     num_blocks_override: int | None = None  # tests: exact pool size, ignoring the budgets
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two ≥ 1, got {self.block_size}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.num_blocks_override is not None and self.num_blocks_override < 2:
-            raise ValueError(f"num_blocks_override must be ≥ 2, got {self.num_blocks_override}")
+        _require(
+            self.block_size >= 1 and not self.block_size & (self.block_size - 1),
+            f"block_size must be a power of two ≥ 1, got {self.block_size}",
+        )
+        _require(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(
+            self.num_blocks_override is None or self.num_blocks_override >= 2,
+            f"num_kv_blocks must be ≥ 2, got {self.num_blocks_override}",
+        )
 
 
 @dataclass(frozen=True)
@@ -73,19 +82,18 @@ class SchedulerConfig:
     """Limits on one engine step."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MIN_BATCHED_TOKENS
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
-                f" must be ≥ max_model_len ({self.max_model_len})"
-            )
+            _require(getattr(self, name) >= 1, f"{name} must be ≥ 1, got {getattr(self, name)}")
+        _require(
+            self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+            f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+            f"must be ≥ max_model_len ({self.max_model_len})",
+        )
 
 
 @dataclass(frozen=True)
@@ -94,54 +102,82 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    load_format: str = "auto"  # auto (safetensors) | safetensors | dummy (random weights)
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len)
     block_size: int = 16
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | None = None  # bytes; default on CPU: up to 2 GiB
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # tests: exact KV pool size
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # torch.compile the decode step: on CPU ~2x faster per token, but it compiles for tens of
-    # seconds (minutes for billion-parameter shapes on 2 cores) at start-up. Off by default.
-    compile_decode: bool = False
+    compile_decode: bool = False  # torch.compile the decode step (slow start-up, faster tokens)
     enforce_eager: bool = False  # the plain path, whatever else is asked for
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {list(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(
-                f"load_format must be auto, safetensors or dummy, got {self.load_format!r}"
-            )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be ≥ 1, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be ≥ 1, got {self.max_num_seqs}")
+        _require(
+            self.dtype == "auto" or self.dtype in DTYPES,
+            f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}",
+        )
+        _require(
+            self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device),
+            f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
+        _require(
+            self.load_format in LOAD_FORMATS,
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}",
+        )
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"{name} must be ≥ 1, got {value}")
+        self.cache_config()  # validates the cache settings
+        if self.max_model_len is not None:
+            self.scheduler_config(self.max_model_len)  # validates the scheduler limits
 
-    def resolve_device(self) -> torch.device:
-        import torch
+    @property
+    def use_compiled_decode(self) -> bool:
+        return self.compile_decode and not self.enforce_eager
 
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} was asked for, but CUDA is not available")
-        return torch.device(self.device)
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_blocks_override=self.num_kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
 
-    def resolve_dtype(self, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-        """`auto` is the checkpoint's dtype, except float16 becomes bfloat16 on CPU."""
-        import torch
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's limits once the model's context length is known."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens
+            or max(DEFAULT_MIN_BATCHED_TOKENS, max_model_len),
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
 
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        dtype = getattr(torch, checkpoint_dtype) if checkpoint_dtype in DTYPES else torch.bfloat16
-        if dtype == torch.float16 and device.type == "cpu":
-            return torch.bfloat16
-        return dtype
+    def resolve_max_model_len(self, model_config: ModelConfig) -> int:
+        """The chosen max_model_len, or the model's; an error if the model cannot reach it."""
+        max_positions = model_config.max_position_embeddings
+        if self.max_model_len is None:
+            return max_positions
+        _require(
+            self.max_model_len <= max_positions,
+            f"max_model_len ({self.max_model_len}) is larger than the model's "
+            f"max_position_embeddings ({max_positions})",
+        )
+        return self.max_model_len
+
+
+def _is_cuda_index(device: str) -> bool:
+    prefix, _, index = device.partition(":")
+    return prefix == "cuda" and index.isdigit()
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -7,13 +7,14 @@ import time
 
 import torch
 
-from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.checkpoint import load_generation_config_eos
+from nanoserve.config import EngineConfig
 from nanoserve.engine import loader
-from nanoserve.engine.kv_blocks import KVCacheManager
+from nanoserve.engine.kv_cache_manager import KVCacheManager
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.outputs import EngineStats, RequestDelta
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
+from nanoserve.protocol import EngineStats, RequestDelta
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoserve.engine")
@@ -25,54 +26,32 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         started = time.perf_counter()
-        self.device = config.resolve_device()
+        self.device = loader.resolve_device(config.device)
         torch.manual_seed(config.seed)
         model, self.model_config, self.model_path = loader.load_model(config, self.device)
         self.dtype = next(model.parameters()).dtype
         self.load_time_s = time.perf_counter() - started
 
         self.vocab_size = self.model_config.vocab_size
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({self.max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({self.model_config.max_position_embeddings})"
-            )
+        self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.eos_token_ids = frozenset(
-            set(self.model_config.eos_token_ids)
-            | loader.load_generation_config_eos(self.model_path)
-        )
-        cache_config = CacheConfig(
-            block_size=config.block_size,
-            kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            num_blocks_override=config.num_kv_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+            set(self.model_config.eos_token_ids) | load_generation_config_eos(self.model_path)
         )
         started = time.perf_counter()
         self.runner = ModelRunner(
             model,
             self.model_config,
-            cache_config,
+            config.cache_config(),
+            config.scheduler_config(self.max_model_len),
             self.device,
-            self.dtype,
-            self.max_model_len,
-            config.max_num_seqs,
-            config.max_num_batched_tokens or max(2048, self.max_model_len),
-            compile_decode=config.compile_decode and not config.enforce_eager,
+            compile_decode=config.use_compiled_decode,
         )
         self.kv_sizing_time_s = time.perf_counter() - started
         self._fit_max_model_len_to_kv_cache()
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens or max(2048, self.max_model_len),
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-        )
         kv_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(scheduler_config, kv_manager)
+        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), kv_manager)
 
     @property
     def kv_capacity_tokens(self) -> int:

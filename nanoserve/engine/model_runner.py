@@ -4,6 +4,10 @@ Per step it flattens the scheduled tokens of every request into one batch (token
 positions, the KV slot each token writes, the block table each request reads), runs the model
 once, and samples from the logits of each request's last position, for the requests whose
 prompt is complete after this step.
+
+The fast paths are switched on here and nowhere else: the attention backend bound to every
+layer, oneDNN-packed linear weights on CPU, and (`compile_decode`) torch.compile for steps where
+every request runs one token.
 """
 
 from __future__ import annotations
@@ -13,13 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.config import CacheConfig
-from nanoserve.engine.layers.attention import AttentionMetadata, build_attention_metadata
-from nanoserve.engine.layers.linear import Linear
-from nanoserve.engine.outputs import TokenLogprobs
+from nanoserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from nanoserve.engine.attention.cpu import CompiledCpuAttention
+from nanoserve.engine.attention.eager import EagerAttention
+from nanoserve.engine.attention.layer import AttentionBackend
+from nanoserve.engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from nanoserve.engine.cpu_linear import install_packed_linears
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler, SamplingBatch
 from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.protocol import TokenLogprobs
 
 logger = logging.getLogger("nanoserve.model_runner")
 
@@ -37,12 +44,11 @@ class StepInputs:
     sampling_requests: list[Request]  # [S]
 
 
-def _pack_linear_weights(model: torch.nn.Module, keep_plain_weights: bool) -> None:
-    """Pack every bf16 Linear's weight for oneDNN on CPU (see layers/packed_weights.py)."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    num_packed = sum(layer.pack_weight(keep_plain_weights) for layer in layers)
-    if num_packed:
-        logger.info("packed %d of %d linear weights for oneDNN", num_packed, len(layers))
+def select_attention_backend(device: torch.device, compile_decode: bool) -> AttentionBackend:
+    """The one attention backend of this engine, for every layer."""
+    if compile_decode and device.type == "cpu":
+        return CompiledCpuAttention()
+    return EagerAttention()
 
 
 class ModelRunner:
@@ -51,37 +57,28 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        model_config,
+        model_config: ModelConfig,
         cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
         device: torch.device,
-        dtype: torch.dtype,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
         compile_decode: bool = False,
     ) -> None:
         self.model = model
+        self.model_config = model_config
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = cache_config.block_size
+        self.sampler = Sampler()
         if device.type == "cpu":
-            # The compiled one-token path streams the plain weights: keep them too.
-            _pack_linear_weights(model, keep_plain_weights=compile_decode)
-        # The fast path, switched on here only: decode steps run a torch.compile'd model
-        # (fused elementwise ops and decode attention; one-token linears as weight-streaming
-        # reductions; batched linears and the KV write as opaque ops). Prefill and mixed steps,
-        # and the default, run the plain model; the LM head (sampled rows only) is compiled
-        # for every step. Compiling prefill steps too was measured slower: the per-request
-        # attention splits each layer into separately compiled pieces.
+            # The compiled one-token products stream the plain weights: keep them too.
+            install_packed_linears(model, keep_plain_weights=compile_decode)
+        self.attention_backend = select_attention_backend(device, compile_decode)
+        # Compiled steps: see docs/architecture.md, "The compiled decode path".
         self.compiled_model = torch.compile(model, dynamic=True) if compile_decode else None
         self.compiled_logits = (
             torch.compile(model.compute_logits, dynamic=True) if compile_decode else None
         )
-        self.model_config = model_config
-        self.device = device
-        self.dtype = dtype
-        self.block_size = cache_config.block_size
-        self.sampler = Sampler()
-        self.num_blocks = self._num_kv_blocks(
-            cache_config, max_model_len, max_num_seqs, max_num_batched_tokens
-        )
+        self.num_blocks = self._num_kv_blocks(cache_config, scheduler_config)
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
 
     # -- KV cache ---------------------------------------------------------------------------
@@ -93,24 +90,20 @@ class ModelRunner:
         per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
         return per_token * self.block_size * torch.finfo(self.dtype).bits // 8
 
-    def _num_kv_blocks(
-        self,
-        cache_config: CacheConfig,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-    ) -> int:
+    def _num_kv_blocks(self, cache_config: CacheConfig, limits: SchedulerConfig) -> int:
         if cache_config.num_blocks_override is not None:
             return cache_config.num_blocks_override
         if self.device.type == "cuda":
             budget = self._cuda_kv_budget(
-                cache_config.gpu_memory_utilization, max_num_batched_tokens
+                cache_config.gpu_memory_utilization, limits.max_num_batched_tokens
             )
         else:
             budget = cache_config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
             if cache_config.kv_cache_memory is None:
                 # Without an explicit budget, take no more than every sequence at full length.
-                needed_tokens = max_num_seqs * max_model_len + max_num_batched_tokens
+                needed_tokens = (
+                    limits.max_num_seqs * limits.max_model_len + limits.max_num_batched_tokens
+                )
                 budget = min(budget, (needed_tokens // self.block_size + 1) * self.kv_block_bytes)
         num_blocks = budget // self.kv_block_bytes
         if num_blocks < 2:
@@ -134,8 +127,8 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         for layer in self.model.attention_layers():
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.bind(k_cache, torch.zeros_like(k_cache), self.attention_backend)
         meta = build_attention_metadata(
             [num_tokens],
             [num_tokens],
@@ -149,7 +142,7 @@ class ModelRunner:
             hidden = self.model(ids, torch.arange(num_tokens, device=self.device), meta)
             self.model.compute_logits(hidden[-1:])
         for layer in self.model.attention_layers():
-            layer.k_cache = layer.v_cache = None
+            layer.bind(None, None, self.attention_backend)
         torch.cuda.synchronize(self.device)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -163,12 +156,13 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         kv_cache = []
         for layer in self.model.attention_layers():
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             # Fixed shapes: keeps torch.compile from tying a cache dim to an equal batch size.
-            torch._dynamo.mark_static(layer.k_cache)
-            torch._dynamo.mark_static(layer.v_cache)
-            kv_cache.append((layer.k_cache, layer.v_cache))
+            torch._dynamo.mark_static(k_cache)
+            torch._dynamo.mark_static(v_cache)
+            layer.bind(k_cache, v_cache, self.attention_backend)
+            kv_cache.append((k_cache, v_cache))
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), up to %d tokens",
             num_blocks,

@@ -6,28 +6,20 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from nanoserve.protocol import FinishReason
 from nanoserve.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the front imports FinishReason from here and never needs torch
+if TYPE_CHECKING:
     import torch
 
 
 class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; only the scheduler moves it."""
+
     WAITING = 0  # queued; holds no blocks
     RUNNING = 1  # in the running batch; holds blocks
     PREEMPTED = 2  # was running, gave its blocks back, waits to be recomputed
     FINISHED = 3
-
-
-class FinishReason(enum.IntEnum):
-    """Why a request stopped. `STOP` covers EOS, stop token ids and stop strings."""
-
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-
-    def __str__(self) -> str:
-        return self.name.lower()
 
 
 class Request:
@@ -60,7 +52,7 @@ class Request:
         self.block_ids: list[int] = []
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
-        self.stop_reason: int | str | None = None  # the stop token id that ended it, if any
+        self.stop_reason: int | None = None  # the stop token id that ended it, if any
         self.generator: torch.Generator | None = None  # per-request RNG when seeded
         self.first_scheduled_time: float | None = None
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.engine.outputs import TokenLogprobs
+from nanoserve.protocol import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")

@@ -24,9 +24,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanoserve.config import SchedulerConfig
-from nanoserve.engine.kv_blocks import KVCacheManager
-from nanoserve.engine.outputs import RequestDelta, TokenLogprobs
-from nanoserve.engine.request import FinishReason, Request, RequestStatus
+from nanoserve.engine.kv_cache_manager import KVCacheManager
+from nanoserve.engine.request import Request, RequestStatus
+from nanoserve.protocol import FinishReason, RequestDelta, TokenLogprobs
 
 
 @dataclass
@@ -40,10 +40,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
 
 
 class Scheduler:
@@ -84,9 +80,15 @@ class Scheduler:
     # -- schedule -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """This step's work: running requests first, then waiting ones while there is room."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if out.num_preempted == 0:  # a step that had to preempt admits nobody new
+            self._schedule_waiting(out, budget)
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """One decode token or the next prompt chunk per running request; the budget left."""
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -97,16 +99,14 @@ class Scheduler:
             if not self._make_room(out, request, num_new):
                 break  # it preempted itself; everyone behind it is gone too
             self.kv.allocate(request, num_new, [])
-            self._schedule(out, request, num_new)
+            self._record(out, request, num_new)
             budget -= num_new
             index += 1
+        return budget
 
-        while (
-            self.waiting
-            and budget > 0
-            and out.num_preempted == 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while the budget, max_num_seqs and blocks allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_blocks, num_cached = self.kv.find_cached_prefix(request)
             num_new = self._num_tokens_to_run(request, budget, num_cached)
@@ -122,9 +122,8 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            self._schedule(out, request, num_new)
+            self._record(out, request, num_new)
             budget -= num_new
-        return out
 
     def _num_tokens_to_run(self, request: Request, budget: int, num_cached: int = 0) -> int:
         """Tokens not yet in the cache, cut to the budget (or 0 if it can't be chunked)."""
@@ -143,7 +142,8 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+    def _record(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        """Add `request` to this step's output with `num_tokens` to run."""
         out.num_scheduled_tokens[request.request_id] = num_tokens
         out.requests.append(request)
 
@@ -182,7 +182,6 @@ class Scheduler:
                     logprobs=[token_logprobs] if token_logprobs is not None else None,
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
-                    num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_time_s=self._queue_time_once(request),
                 )

@@ -1,10 +1,8 @@
-"""EngineClient: how the front talks to an engine. One interface, two implementations.
+"""EngineClient: how the front talks to an engine.
 
-- `ZmqEngineClient` (the server): the engine lives in a worker process; messages go over ZMQ.
-  It watches the worker, fails in-flight requests when it dies and starts a new one.
-- `InProcessEngineClient` (tests, offline use): the same worker loop runs in a thread.
-
-Both route each step's deltas to per-request `RequestStream`s on the event loop.
+`EngineClient` routes each step's deltas to per-request `RequestStream`s on the event loop;
+`ZmqEngineClient` moves the messages: the engine lives in a worker process and messages go over
+ZMQ. It watches the worker, fails in-flight requests when it dies and starts a new one.
 """
 
 from __future__ import annotations
@@ -12,27 +10,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import queue
-import threading
 import time
 from collections.abc import Callable
 
 import msgspec
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.outputs import EngineStats, RequestDelta
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.worker.messages import (
+from nanoserve.protocol import (
     AbortRequests,
     AddRequest,
+    EngineStats,
     Ready,
+    RequestDelta,
     RequestFailed,
     Shutdown,
     StepOutputs,
     WorkerFailed,
 )
-from nanoserve.worker.process import WorkerProcess, serve_engine
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.worker.process import WorkerProcess
 from nanoserve.worker.transport import FrontSockets, IpcDirectory
 
 logger = logging.getLogger("nanoserve.server")
@@ -306,57 +302,3 @@ class ZmqEngineClient(EngineClient):
         """Last resort (atexit): kill the worker and remove the socket directory."""
         self._stop_worker_now()
         self._ipc.cleanup()
-
-
-class InProcessEngineClient(EngineClient):
-    """An `Engine` (or anything with its API) stepped by the worker loop in a thread."""
-
-    def __init__(self, engine) -> None:
-        super().__init__()
-        self.engine = engine
-        self._inbox: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        stats = self.engine.stats()
-        self.info = Ready(
-            pid=os.getpid(),
-            max_model_len=self.engine.max_model_len,
-            vocab_size=self.engine.vocab_size,
-            num_kv_blocks=stats.num_kv_blocks,
-            block_size=stats.block_size,
-            load_time_s=0.0,
-            kv_sizing_time_s=0.0,
-            warmup_time_s=0.0,
-        )
-        self._thread = threading.Thread(
-            target=serve_engine,
-            args=(self.engine, self._recv, self._send_to_front),
-            name="nanoserve-engine",
-            daemon=True,
-        )
-        self._thread.start()
-        self._is_ready = True
-
-    def _recv(self, timeout_s: float):
-        try:
-            return self._inbox.get(timeout=timeout_s) if timeout_s else self._inbox.get_nowait()
-        except queue.Empty:
-            return None
-
-    def _send_to_front(self, message: msgspec.Struct) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._on_message, message)
-
-    def _send(self, message: msgspec.Struct) -> bool:
-        self._inbox.put(message)
-        return True
-
-    async def shutdown(self, timeout_s: float = 5.0) -> None:
-        self._is_ready = False
-        self._fail_all(EngineDeadError("the server is shutting down"))
-        if self._thread is not None:
-            self._inbox.put(Shutdown())
-            await asyncio.to_thread(self._thread.join, timeout_s)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from nanoserve.engine.outputs import EngineStats
+from nanoserve.protocol import EngineStats
 
 # Fine steps between 50 and 300 ms, where autocomplete users feel the difference.
 TTFT_BUCKETS = (

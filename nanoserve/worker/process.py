@@ -20,7 +20,7 @@ from collections.abc import Callable
 import msgspec
 
 from nanoserve.config import EngineConfig
-from nanoserve.worker.messages import (
+from nanoserve.protocol import (
     AbortRequests,
     AddRequest,
     Ready,

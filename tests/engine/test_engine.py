@@ -8,7 +8,7 @@ import transformers
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
-from nanoserve.engine.request import FinishReason
+from nanoserve.protocol import FinishReason
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.testing import ARCHITECTURES, make_tiny_checkpoint
 

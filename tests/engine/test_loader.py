@@ -1,4 +1,4 @@
-"""Checkpoint resolution, config.json parsing and weight loading."""
+"""Building the model and loading its weights (the worker's half of loading)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from nanoserve.config import EngineConfig, ModelConfig
-from nanoserve.engine.loader import (
-    ModelLoadError,
-    available_presets,
-    checkpoint_tensors,
-    load_generation_config_eos,
-    load_model,
-    load_model_config,
-    resolve_model_path,
-)
+from nanoserve.checkpoint import ModelLoadError, available_presets
+from nanoserve.config import EngineConfig
+from nanoserve.engine.loader import checkpoint_tensors, load_model
 from nanoserve.testing import make_tiny_checkpoint
 
 # Published parameter counts (embeddings included, a tied head counted once).
@@ -54,151 +47,6 @@ def copy_checkpoint(source: Path, target: Path, config_edit=None) -> Path:
         raw = json.loads((source / "config.json").read_text())
         (target / "config.json").write_text(json.dumps(config_edit(raw)))
     return target
-
-
-def to_transformers_4x(raw: dict) -> dict:
-    """The same config as transformers 4.x writes it: rope_theta/rope_scaling, torch_dtype."""
-    raw = dict(raw)
-    rope = dict(raw.pop("rope_parameters"))
-    raw["rope_theta"] = rope.pop("rope_theta")
-    raw["rope_scaling"] = None if rope["rope_type"] == "default" else rope
-    raw["torch_dtype"] = raw.pop("dtype")
-    return raw
-
-
-# --- config.json -----------------------------------------------------------------------------
-
-
-def test_llama_config_values(checkpoints):
-    config = load_model_config(checkpoints["llama"])
-    assert config == ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        torch_dtype="float32",
-        eos_token_ids=(258,),
-    )
-
-
-def test_qwen_switches(checkpoints):
-    qwen3 = load_model_config(checkpoints["qwen3"])
-    assert (qwen3.qk_norm, qwen3.attention_bias, qwen3.tie_word_embeddings) == (True, False, True)
-    assert (qwen3.head_dim, qwen3.rope_scaling, qwen3.rope_theta) == (32, None, 10000.0)
-    qwen2 = load_model_config(checkpoints["qwen2"])  # its config.json has no attention_bias key
-    assert (qwen2.qk_norm, qwen2.attention_bias) == (False, True)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_transformers_4x_and_5x_configs_agree(checkpoints, tmp_path, arch):
-    old_style = copy_checkpoint(checkpoints[arch], tmp_path / "4x", to_transformers_4x)
-    assert "rope_parameters" not in json.loads((old_style / "config.json").read_text())
-    assert load_model_config(old_style) == load_model_config(checkpoints[arch])
-
-
-def test_legacy_rope_type_key_head_dim_default_and_eos_list(checkpoints, tmp_path):
-    def edit(raw):
-        raw = to_transformers_4x(raw)
-        raw["rope_scaling"] = {"type": "linear", "factor": 2.0}
-        raw["eos_token_id"] = [258, 256]
-        del raw["head_dim"]
-        return raw
-
-    config = load_model_config(copy_checkpoint(checkpoints["llama"], tmp_path / "m", edit))
-    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
-    assert config.eos_token_ids == (258, 256)
-    assert config.head_dim == 64 // 4
-
-
-def test_generation_config_eos(checkpoints, tmp_path):
-    assert load_generation_config_eos(checkpoints["qwen3"]) == {258}
-    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m")
-    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 258]}))
-    assert load_generation_config_eos(model_dir) == {1, 258}
-    (model_dir / "generation_config.json").unlink()
-    assert load_generation_config_eos(model_dir) == set()
-
-
-def test_unsupported_architecture_lists_supported(checkpoints, tmp_path):
-    def edit(raw):
-        return {**raw, "architectures": ["GPT2LMHeadModel"]}
-
-    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m", edit)
-    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported") as error:
-        load_model_config(model_dir)
-    for name in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"):
-        assert name in str(error.value)
-
-
-def test_unsupported_rope_type_lists_supported(checkpoints, tmp_path):
-    def edit(raw):
-        return {**raw, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}
-
-    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m", edit)
-    with pytest.raises(ModelLoadError, match="'yarn' is not supported; supported: default"):
-        load_model_config(model_dir)
-
-
-def test_mistral_sliding_window_caps_context(tmp_path):
-    model_dir = make_tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=128)
-    assert load_model_config(model_dir).max_position_embeddings == 128
-
-
-# --- finding the checkpoint ------------------------------------------------------------------
-
-
-def test_missing_directory_is_named(tmp_path):
-    missing = str(tmp_path / "no-such-model")
-    with pytest.raises(ModelLoadError, match="no-such-model.*does not exist"):
-        resolve_model_path(missing)
-
-
-def test_directory_without_config_or_weights(checkpoints, tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.raises(ModelLoadError, match="no config.json"):
-        resolve_model_path(str(empty))
-    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m")
-    (model_dir / "model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match=r"'.*m'.*no \*\.safetensors"):
-        resolve_model_path(str(model_dir))
-    assert resolve_model_path(str(model_dir), "dummy") == model_dir  # dummy needs no weights
-
-
-def test_pickle_only_checkpoint_is_refused(checkpoints, tmp_path):
-    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m")
-    (model_dir / "model.safetensors").unlink()
-    (model_dir / "pytorch_model.bin").write_bytes(b"not loaded")
-    with pytest.raises(ModelLoadError, match=r"only PyTorch pickle weights \(pytorch_model.bin\)"):
-        resolve_model_path(str(model_dir))
-
-
-def test_hub_failure_names_the_model(monkeypatch):
-    import huggingface_hub
-
-    def offline(repo_id, **kwargs):
-        raise ConnectionError("no network")
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(ModelLoadError, match="could not fetch model 'someone/missing-model'"):
-        resolve_model_path("someone/missing-model")
 
 
 # --- weights ---------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.layers.attention import build_attention_metadata, reference_paged_attention
+from nanoserve.engine.attention.eager import EagerAttention, paged_attention
+from nanoserve.engine.attention.metadata import build_attention_metadata
 from nanoserve.engine.loader import LoadedModel, load_model
 from nanoserve.testing import ARCHITECTURES, make_tiny_checkpoint
 
@@ -29,8 +30,7 @@ class PagedBatchRunner:
         num_blocks = 1 + num_seqs * blocks_per_seq  # block 0 stays unused, as padding does
         kv_shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
         for layer in self.model.attention_layers():
-            layer.k_cache = torch.zeros(kv_shape)
-            layer.v_cache = torch.zeros(kv_shape)
+            layer.bind(torch.zeros(kv_shape), torch.zeros(kv_shape), EagerAttention())
         self.block_tables = [
             list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
             for i in range(num_seqs)
@@ -170,6 +170,6 @@ def test_mixed_step_attends_decodes_apart_from_prompt_chunks():
     assert split.parts is not None and split.num_decode_tokens == 2
     whole = replace(split, parts=None)
     torch.testing.assert_close(
-        reference_paged_attention(query, k_cache, v_cache, split, 0.3),
-        reference_paged_attention(query, k_cache, v_cache, whole, 0.3),
+        paged_attention(query, k_cache, v_cache, split, 0.3),
+        paged_attention(query, k_cache, v_cache, whole, 0.3),
     )

@@ -9,18 +9,19 @@ from pathlib import Path
 import pytest
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.outputs import EngineStats, RequestDelta
-from nanoserve.engine.request import FinishReason
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.testing import make_tiny_checkpoint
-from nanoserve.worker.messages import (
+from nanoserve.protocol import (
     AbortRequests,
     AddRequest,
+    EngineStats,
+    FinishReason,
     Ready,
+    RequestDelta,
     RequestFailed,
     Shutdown,
     StepOutputs,
 )
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.testing import make_tiny_checkpoint
 from nanoserve.worker.process import IDLE_POLL_S, WorkerProcess, serve_engine
 from nanoserve.worker.transport import FrontSockets, IpcDirectory
 

@@ -1,5 +1,9 @@
-"""Linear layers: packed bf16 weights on CPU, one-token products for the compiled decode path,
-and fused projections."""
+"""Linear layers: `Linear`, and `MergedLinear` for projections fused at load (q/k/v, gate/up).
+
+How a layer stores its weight and multiplies by it is its `method` (vLLM's "linear method"):
+`DenseLinearMethod`, plain `F.linear`, unless the model runner installs a faster one for the
+device (`engine/cpu_linear.py`: oneDNN-packed weights on CPU).
+"""
 
 from __future__ import annotations
 
@@ -7,54 +11,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.engine.layers import packed_weights
+
+class LinearMethod:
+    """How a `Linear` multiplies by its weight; subclasses may store the weight differently."""
+
+    def process_weights(self, layer: Linear) -> None:
+        """Called once after the weights are loaded: reshape, pack or quantize them here."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return F.linear(x, layer.weight, layer.bias)
 
 
-def one_token_linear(
-    x: torch.Tensor,  # [1, in]
-    weight: torch.Tensor,  # [out, in]
-    bias: torch.Tensor | None,  # [out]
-) -> torch.Tensor:  # [1, out]
-    """x @ weight.T for a single token, written as a reduction for torch.compile.
+class DenseLinearMethod(LinearMethod):
+    """The plain weight and `F.linear`."""
 
-    Inductor turns this into one pass over the weights with float32 accumulation, fused with
-    the ops around it, which streams bf16 weights at ~85-90% of memory bandwidth on CPU. Run
-    eagerly it would materialise [out, in] floats: only use it compiled. With more than one
-    token inductor re-reads the weights per token, so batches take the packed product.
-    """
-    out = (weight.float() * x.float()).sum(-1, keepdim=True).t().to(x.dtype)  # [1, out]
-    return out if bias is None else out + bias
+
+DENSE = DenseLinearMethod()
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run on a oneDNN-packed weight (bf16 on CPU, see `pack_weight`).
+    """nn.Linear whose product is computed by its `method` (plain `F.linear` by default)."""
 
-    Under torch.compile a one-token input takes `one_token_linear` when the plain weight is kept.
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.packed_weight: torch.Tensor | None = None  # opaque MKLDNN [out, in]
-
-    def pack_weight(self, keep_plain_weight: bool = False) -> bool:
-        """Add a oneDNN-packed copy of the weight if it can be made; returns whether it did.
-
-        The plain weight is dropped unless `keep_plain_weight` (the compiled one-token path
-        streams it). A tied weight (the LM head's) stays alive with its other owner.
-        """
-        if self.weight is None or not packed_weights.can_pack(self.weight):
-            return False
-        self.packed_weight = packed_weights.pack(self.weight)
-        if not keep_plain_weight:
-            self.weight = None
-        return True
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.method: LinearMethod = DENSE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if torch.compiler.is_compiling() and x.shape[0] == 1 and self.weight is not None:
-            return one_token_linear(x, self.weight, self.bias)
-        if self.packed_weight is not None:
-            return packed_weights.packed_linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x)
 
 
 class MergedLinear(Linear):

@@ -13,26 +13,7 @@ import math
 import torch
 from torch import nn
 
-# rope_type -> the keys its rope_scaling dict must carry
-ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-SUPPORTED_ROPE_TYPES = tuple(ROPE_SCALING_KEYS)
-
-
-def check_rope_scaling(rope_scaling: dict | None) -> None:
-    """Raise ValueError unless `rope_scaling` is None or a supported, complete scaling dict."""
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
-    if rope_type not in ROPE_SCALING_KEYS:
-        raise ValueError(
-            f"rope type {rope_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    missing = [key for key in ROPE_SCALING_KEYS[rope_type] if key not in rope_scaling]
-    if missing:
-        raise ValueError(f"rope scaling of type {rope_type!r} is missing {', '.join(missing)}")
+from nanoserve.checkpoint import check_rope_scaling
 
 
 def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:

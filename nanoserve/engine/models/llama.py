@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.config import ModelConfig
-from nanoserve.engine.layers.attention import AttentionMetadata, PagedAttention
+from nanoserve.engine.attention.layer import PagedAttention
+from nanoserve.engine.attention.metadata import AttentionMetadata
 from nanoserve.engine.layers.linear import Linear, MergedLinear
 from nanoserve.engine.layers.norm import RMSNorm, rms_normalize
 from nanoserve.engine.layers.rotary import RotaryEmbedding, apply_rotary

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from nanoserve.checkpoint import SUPPORTED_ARCHITECTURES
 from nanoserve.engine.models.llama import LlamaForCausalLM
 
 # Llama, Mistral, Qwen2 and Qwen3 differ only in switches that ModelConfig carries.
@@ -13,8 +14,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
-
-SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
+assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -1,4 +1,4 @@
-"""oneDNN-packed linear weights: the same numbers as F.linear, eager and compiled."""
+"""The CPU linear method: oneDNN-packed weights give F.linear's numbers, eager and compiled."""
 
 import random
 
@@ -7,14 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.layers import packed_weights
-from nanoserve.engine.layers.linear import Linear
+from nanoserve.engine import cpu_linear
+from nanoserve.engine.cpu_linear import PackedLinearMethod, install_packed_linears, one_token_linear
+from nanoserve.engine.layers.linear import DENSE, Linear
 from nanoserve.testing import make_tiny_checkpoint
 
 
 def test_this_torch_build_can_pack_bf16_cpu_weights():
     """The CPU wheels the project installs have oneDNN; without it every test below would fail."""
-    assert packed_weights.can_pack(torch.zeros(1, dtype=torch.bfloat16))
+    assert cpu_linear.can_pack(torch.zeros(1, dtype=torch.bfloat16))
 
 
 def _linear(bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
@@ -27,7 +28,8 @@ def _linear(bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear_bit_for_bit(bias):
     layer, weight, bias_values = _linear(bias)
-    assert layer.pack_weight()
+    assert install_packed_linears(layer, keep_plain_weights=False) == 1
+    assert isinstance(layer.method, PackedLinearMethod)
     assert layer.weight is None and layer.packed_weight is not None
     for num_tokens in (1, 3, 17):
         x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
@@ -36,7 +38,7 @@ def test_packed_linear_equals_f_linear_bit_for_bit(bias):
 
 def test_packed_linear_under_torch_compile():
     layer, weight, _ = _linear(bias=False)
-    layer.pack_weight()
+    install_packed_linears(layer, keep_plain_weights=False)
     compiled = torch.compile(lambda x: layer(x * 2.0) + 1.0, dynamic=True)
     with torch.inference_mode():
         for num_tokens in (1, 5):
@@ -47,8 +49,8 @@ def test_packed_linear_under_torch_compile():
 
 def test_only_bf16_cpu_weights_are_packed():
     layer = Linear(8, 4, bias=False)  # float32
-    assert not layer.pack_weight()
-    assert layer.weight is not None and layer.packed_weight is None
+    assert install_packed_linears(layer, keep_plain_weights=False) == 0
+    assert layer.weight is not None and layer.method is DENSE
 
 
 def test_engine_packs_bf16_weights_and_generates_the_same_tokens(tmp_path, monkeypatch):
@@ -61,12 +63,13 @@ def test_engine_packs_bf16_weights_and_generates_the_same_tokens(tmp_path, monke
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
+    assert all(isinstance(m.method, PackedLinearMethod) for m in linears)
     assert model.model.embed_tokens.weight is not None  # the tied head's plain tensor lives on
     packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
-    monkeypatch.setattr(packed_weights, "can_pack", lambda weight: False)
+    monkeypatch.setattr(cpu_linear, "can_pack", lambda weight: False)
     plain_llm = LLM(checkpoint, dtype="bfloat16")
-    assert all(m.packed_weight is None for m in plain_llm.engine.runner.model.modules()
+    assert all(m.method is DENSE for m in plain_llm.engine.runner.model.modules()
                if isinstance(m, Linear))  # fmt: skip
     assert [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)] == packed
 
@@ -83,3 +86,10 @@ def test_compiled_decode_keeps_the_plain_weight_for_one_token_steps(tmp_path):
     for batch in ([[1, 2, 3]], [[1, 2, 3], [4, 5], [6] * 9]):  # one-token and batched decode
         outputs = llm.generate(batch, params)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [6] * len(batch)
+
+
+def test_one_token_linear_matches_f_linear():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(1, 48), torch.randn(40, 48), torch.randn(40)
+    torch.testing.assert_close(one_token_linear(x, weight, bias), F.linear(x, weight, bias))
+    torch.testing.assert_close(one_token_linear(x, weight, None), F.linear(x, weight))

@@ -1,31 +1,20 @@
-"""The compiled decode path (compile_decode=True) against the plain path (the default)."""
+"""The compiled CPU attention backend (compile_decode=True) against the eager one."""
 
 import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.attention.cpu import CompiledCpuAttention, decode_attention
+from nanoserve.engine.attention.eager import EagerAttention, paged_attention
+from nanoserve.engine.attention.metadata import build_attention_metadata
 from nanoserve.engine.engine import Engine
-from nanoserve.engine.layers.attention import (
-    build_attention_metadata,
-    decode_attention,
-    reference_paged_attention,
-)
-from nanoserve.engine.layers.linear import one_token_linear
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.testing import make_tiny_checkpoint
 
 
-def test_one_token_linear_matches_f_linear():
-    torch.manual_seed(0)
-    x, weight, bias = torch.randn(1, 48), torch.randn(40, 48), torch.randn(40)
-    torch.testing.assert_close(one_token_linear(x, weight, bias), F.linear(x, weight, bias))
-    torch.testing.assert_close(one_token_linear(x, weight, None), F.linear(x, weight))
-
-
-def test_decode_attention_matches_reference():
+def test_decode_attention_matches_eager():
     torch.manual_seed(0)
     block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 8
     k_cache = torch.randn(20, block_size, num_kv_heads, head_dim)
@@ -36,7 +25,7 @@ def test_decode_attention_matches_reference():
         [1, 1, 1], seq_lens, block_tables, [12, 6, 16], block_size, torch.device("cpu")
     )
     query = torch.randn(3, num_heads, head_dim)
-    expected = reference_paged_attention(query, k_cache, v_cache, meta, 0.3)
+    expected = paged_attention(query, k_cache, v_cache, meta, 0.3)
     got = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.3)
     torch.testing.assert_close(got, expected)
 
@@ -60,6 +49,8 @@ def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
             )
         )
         assert (engine.runner.compiled_model is None) == eager
+        backend = EagerAttention if eager else CompiledCpuAttention
+        assert type(engine.runner.attention_backend) is backend
         tokens: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}
         for i, prompt in enumerate(batch):
             engine.add_request(str(i), prompt, params)

@@ -5,22 +5,24 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from nanoserve.engine.outputs import EngineStats, RequestDelta, TokenLogprobs
-from nanoserve.engine.request import FinishReason
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.worker.messages import (
+from nanoserve.protocol import (
     AbortRequests,
     AddRequest,
+    EngineStats,
+    FinishReason,
     Ready,
+    RequestDelta,
     RequestFailed,
     Shutdown,
     StepOutputs,
     ToFront,
+    TokenLogprobs,
     ToWorker,
     WorkerFailed,
     front_codec,
     worker_codec,
 )
+from nanoserve.sampling_params import SamplingParams
 
 TO_WORKER = [
     AddRequest(

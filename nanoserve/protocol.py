@@ -1,15 +1,65 @@
-"""Every message between the front and the worker, as msgspec structs (no pickle).
+"""The wire between the front and the worker: every message, as msgspec structs (torch-free).
 
 One tagged union per direction. The front sends `ToWorker`; the worker answers `ToFront`.
-Token ids cross the boundary, never text or tensors.
+Token ids cross the boundary, never text or tensors, and never pickle. Both processes import
+this module; it imports nothing from `nanoserve.engine`, so the front never loads torch's model
+code to speak to the worker.
 """
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
-from nanoserve.engine.outputs import EngineStats, RequestDelta
 from nanoserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request stopped. `STOP` covers EOS, stop token ids and stop strings."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probability of one sampled token and of the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    """New tokens of one request from one step; `finish_reason` is set on its last delta."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended the request, if any
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    queue_time_s: float | None = None  # arrival to first scheduled; set on the first delta only
+
+
+class EngineStats(msgspec.Struct):
+    """Gauges and counters the metrics endpoint shows."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use by requests
+    num_kv_blocks: int = 0
+    block_size: int = 0
+    num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+
 
 # ---- front -> worker ----
 
@@ -78,14 +128,14 @@ ToFront = Ready | StepOutputs | RequestFailed | WorkerFailed
 class Codec:
     """msgpack encoder/decoder for one direction's union (reusable buffers)."""
 
-    def __init__(self, decode_type: type) -> None:
+    def __init__(self, decode_type: object) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(decode_type)
 
     def encode(self, message: msgspec.Struct) -> bytes:
         return self._encoder.encode(message)
 
-    def decode(self, data: bytes):
+    def decode(self, data: bytes | memoryview) -> msgspec.Struct:
         return self._decoder.decode(data)
 
 

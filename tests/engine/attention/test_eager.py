@@ -1,4 +1,4 @@
-"""The reference attention backend against attention written out the long way, in float64."""
+"""The eager attention backend against attention written out the long way, in float64."""
 
 import math
 import random
@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from nanoserve.engine.layers.attention import build_attention_metadata, write_kv_and_attend
+from nanoserve.engine.attention.eager import EagerAttention
+from nanoserve.engine.attention.metadata import build_attention_metadata
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 4, 2, 8
 
@@ -70,7 +71,7 @@ def test_mixed_steps_match_naive_attention(seed):
     new_k = torch.cat([k[len(k) - n :] for k, n in zip(full_keys, query_lens, strict=True)])
     new_v = torch.cat([v[len(v) - n :] for v, n in zip(full_values, query_lens, strict=True)])
     query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM)
-    got = write_kv_and_attend(query, new_k, new_v, k_cache, v_cache, meta, 0.35)
+    got = EagerAttention().forward(query, new_k, new_v, k_cache, v_cache, meta, 0.35)
 
     start = 0
     for keys, values, positions in zip(full_keys, full_values, query_positions, strict=True):

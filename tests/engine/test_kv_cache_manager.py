@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanoserve.engine.kv_blocks import BlockPool, KVCacheManager, hash_block_tokens
+from nanoserve.engine.kv_cache_manager import BlockPool, KVCacheManager, hash_block_tokens
 from nanoserve.engine.request import Request
 from nanoserve.sampling_params import SamplingParams
 

@@ -1,0 +1,86 @@
+"""The routes around generation: health, version, metrics, models, tokenize and detokenize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from nanoserve import __version__
+from nanoserve.server.api_models import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from nanoserve.server.chat import template_messages
+from nanoserve.server.errors import APIError, error_body
+from nanoserve.server.http import json_response, read_json_body
+from nanoserve.server.metrics import CONTENT_TYPE
+from nanoserve.server.state import server_state
+from nanoserve.tokenizer import apply_chat_template
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    if not server_state(request).client.is_ready:
+        return JSONResponse(error_body("the model worker is not ready", 503), status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    state = server_state(request)
+    state.check_api_key(request)
+    info = state.client.info
+    cards = [
+        ModelCard(id=name, root=state.config.model, max_model_len=info.max_model_len if info else 0)
+        for name in state.config.served_model_names
+    ]
+    return json_response(ModelList(data=cards))
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    state.check_api_key(request)
+    body = await read_json_body(request, TokenizeRequest, state.config.max_body_bytes)
+    serving = state.completions
+    serving.check_model(body.model)
+    if body.prompt is not None and body.messages is None:
+        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    elif body.messages is not None and body.prompt is None:
+        try:
+            tokens = apply_chat_template(
+                state.tokenizer,
+                template_messages(body.messages),
+                add_generation_prompt=body.add_generation_prompt,
+                **(body.chat_template_kwargs or {}),
+            )
+        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
+            raise APIError(f"could not apply the chat template: {e}", 400, "messages") from None
+    else:
+        raise APIError("give exactly one of prompt or messages", 400, "prompt")
+    return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    state.check_api_key(request)
+    body = await read_json_body(request, DetokenizeRequest, state.config.max_body_bytes)
+    state.completions.check_model(body.model)
+    limit = state.completions.num_token_ids
+    bad = [t for t in body.tokens if not 0 <= t < limit]
+    if bad:
+        raise APIError(f"token ids must be in [0, {limit}), got {bad[:5]}", 400, "tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens)}

@@ -1,0 +1,211 @@
+"""POST /v1/completions: prompts (text or token ids, fill-in-the-middle) in, text out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from nanoserve.output_processor import ChoiceUpdate, PositionLogprobs
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.server.api_models import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from nanoserve.server.errors import APIError
+from nanoserve.server.http import read_json_body, respond
+from nanoserve.server.request_run import RequestRun
+from nanoserve.server.serving import OpenAIServing, response_id
+from nanoserve.server.state import server_state
+
+# Fill-in-the-middle tokens (prefix, suffix, middle) of the code models that have them.
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    state = server_state(request)
+    state.check_api_key(request)
+    body = await read_json_body(request, CompletionRequest, state.config.max_body_bytes)
+    serving = state.completions
+    run, texts = serving.start(body)
+    return await respond(
+        request,
+        run,
+        body.stream,
+        lambda: serving.chunks(body, run, texts),
+        lambda: serving.response(body, run, texts),
+    )
+
+
+class CompletionServing(OpenAIServing):
+    """Builds completion runs, responses and stream chunks."""
+
+    def start(self, request: CompletionRequest) -> tuple[RequestRun, list[str]]:
+        """Validate and start the request; also returns each prompt's text (for echo)."""
+        self.check_model(request.model)
+        prompts, texts = self.prompts(request)
+        params = [self._params(request, prompt) for prompt in prompts]
+        return self.start_run(prompts, params, "cmpl"), texts
+
+    def _params(self, request: CompletionRequest, prompt: list[int]) -> SamplingParams:
+        self.check_max_tokens(len(prompt), request.max_tokens, "max_tokens")
+        max_tokens = request.max_tokens
+        if max_tokens is None:  # null: the rest of the context
+            max_tokens = self.max_model_len - len(prompt)
+        return self.make_params(request, max_tokens, request.logprobs)
+
+    def prompts(self, request: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """Token ids and text of each prompt (text is used by echo)."""
+        prompt = request.prompt
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
+        ):
+            prompt = [prompt]  # type: ignore[list-item]  # one prompt
+        if not prompt:
+            raise APIError("prompt is empty; give a string or token ids", 400, "prompt")
+        token_ids, texts = [], []
+        for item in prompt:
+            if isinstance(item, str):
+                # With a suffix the FIM tokens frame the prompt; no BOS/special tokens inside.
+                add_special = request.suffix is None
+                ids = self.tokenizer.encode(item, add_special_tokens=add_special) if item else []
+                text: str | None = item
+            else:
+                ids, text = list(item), None  # type: ignore[arg-type]  # token ids
+            if request.suffix is not None:
+                ids = self._fill_in_the_middle(ids, request.suffix)
+            self.check_prompt(ids, "prompt")
+            token_ids.append(ids)
+            texts.append(text if text is not None else self.tokenizer.decode(ids))
+        return token_ids, texts
+
+    def _fill_in_the_middle(self, prefix_ids: list[int], suffix: str) -> list[int]:
+        """Prefix-suffix-middle order: <prefix> prompt <suffix> suffix <middle>."""
+        vocab = self.tokenizer.get_vocab()
+        for prefix_token, suffix_token, middle_token in FIM_TOKENS:
+            if all(t in vocab for t in (prefix_token, suffix_token, middle_token)):
+                suffix_ids = self.tokenizer.encode(suffix, add_special_tokens=False)
+                return [
+                    vocab[prefix_token], *prefix_ids, vocab[suffix_token], *suffix_ids,
+                    vocab[middle_token],
+                ]  # fmt: skip
+        raise APIError(
+            "suffix (fill-in-the-middle) is not supported by this model: its tokenizer has no "
+            "FIM tokens such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>",
+            400,
+            "suffix",
+        )
+
+    async def response(
+        self, request: CompletionRequest, run: RequestRun, texts: list[str]
+    ) -> CompletionResponse:
+        async for _ in run.updates():
+            pass
+        choices = []
+        for choice in run.choices:
+            echo = texts[choice.prompt_index] if request.echo else ""
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                if request.echo:
+                    logprobs = self._echo_logprobs(choice.prompt_token_ids)
+                generated = self._logprobs(choice.logprobs, len(echo))
+                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(logprobs, name).extend(getattr(generated, name))
+            choices.append(
+                CompletionChoice(
+                    index=choice.index,
+                    text=echo + choice.text,
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=response_id(run), model=self.model_name, choices=choices, usage=run.usage()
+        )
+
+    async def chunks(
+        self, request: CompletionRequest, run: RequestRun, texts: list[str]
+    ) -> AsyncIterator[CompletionResponse]:
+        chunk_id, created = response_id(run), int(time.time())
+        offsets = {c.index: 0 for c in run.choices}
+        async for updates in run.updates():
+            choices = []
+            for update in updates:
+                choice = self._chunk_choice(request, update, texts, offsets)
+                if choice is not None:
+                    choices.append(choice)
+            if choices:
+                yield CompletionResponse(
+                    id=chunk_id, created=created, model=self.model_name, choices=choices
+                )
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield CompletionResponse(
+                id=chunk_id, created=created, model=self.model_name, choices=[], usage=run.usage()
+            )
+
+    def _chunk_choice(
+        self,
+        request: CompletionRequest,
+        update: ChoiceUpdate,
+        texts: list[str],
+        offsets: dict[int, int],
+    ) -> CompletionChoice | None:
+        """One choice's part of a stream chunk; None when it has nothing to show yet."""
+        choice = update.choice
+        text = update.text
+        if update.is_first and request.echo:
+            text = texts[choice.prompt_index] + text
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = self._logprobs(update.logprobs, offsets[choice.index])
+        offsets[choice.index] += len(text)
+        if not text and logprobs is None and not choice.is_finished:
+            return None  # e.g. half of a multi-byte character
+        return CompletionChoice(
+            index=choice.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+        )
+
+    @staticmethod
+    def _logprobs(positions: list[PositionLogprobs], text_offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for position in positions:
+            top: dict[str, float] = {}
+            for _, token, logprob in position.top:
+                # Best first; tokens whose text is the same (e.g. partial bytes) keep the best.
+                top.setdefault(token, logprob)
+            top.setdefault(position.token, position.logprob)
+            result.tokens.append(position.token)
+            result.token_logprobs.append(position.logprob)
+            result.top_logprobs.append(top)
+            result.text_offset.append(text_offset)
+            text_offset += len(position.token)
+        return result
+
+    def _echo_logprobs(self, prompt_token_ids: list[int]) -> CompletionLogprobs:
+        """Prompt tokens for echo: the engine computes no prompt logprobs, so they are null."""
+        result, offset = CompletionLogprobs(), 0
+        for token_id in prompt_token_ids:
+            token = self.token_text(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result

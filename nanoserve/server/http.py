@@ -1,0 +1,140 @@
+"""HTTP plumbing shared by the routes: reading bodies, watching for disconnects, responding.
+
+Bodies are read and parsed here (size limit, JSON, pydantic) so that every client mistake is a
+400 in OpenAI's shape. A client that goes away — streaming or not — has its engine requests
+aborted at once and is counted in `vllm:http_requests_client_disconnected_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from nanoserve.server.engine_client import EngineDeadError, RequestRejectedError
+from nanoserve.server.errors import APIError, validation_error
+from nanoserve.server.request_run import RequestRun, sse_stream
+from nanoserve.server.serving import service_unavailable
+from nanoserve.server.state import server_state
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection before the response was ready."""
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that always calls `on_close(is_complete)`, however the stream ends.
+
+    Starlette cancels the body iterator when the client disconnects; the callback then runs
+    even if the iterator never started.
+    """
+
+    def __init__(self, frames: AsyncIterator[str], on_close: Callable[[bool], None]) -> None:
+        self._is_complete = False
+
+        async def track() -> AsyncIterator[str]:
+            async for frame in frames:
+                yield frame
+            self._is_complete = True
+
+        super().__init__(
+            track(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close(self._is_complete)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def wait_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but raise ClientDisconnected as soon as the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientDisconnected
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+async def read_json_body(request: Request, model: type[T], max_bytes: int) -> T:
+    """Read, size-check, parse and validate a JSON object body."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise APIError(f"the request body is {length} bytes; the limit is {max_bytes}", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise APIError(f"the request body is over the limit of {max_bytes} bytes", 413)
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", 400) from None
+    if not isinstance(data, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(data).__name__}", 400)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(list(e.errors())) from None  # type: ignore[arg-type]
+
+
+def json_response(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+async def respond(
+    request: Request,
+    run: RequestRun,
+    stream: bool,
+    chunks: Callable[[], AsyncIterator[BaseModel]],
+    whole: Callable[[], Awaitable[BaseModel]],
+) -> Response:
+    """Stream `chunks()` as SSE, or answer `whole()` as JSON; either way, end the run."""
+    metrics = server_state(request).metrics
+
+    def finish(is_complete: bool) -> None:
+        run.close()
+        if not is_complete:
+            metrics.http_requests_client_disconnected.inc()
+
+    if stream:
+        return EventStreamResponse(sse_stream(chunks()), on_close=finish)
+    is_complete = True
+    try:
+        return json_response(await wait_unless_disconnected(request, whole()))
+    except ClientDisconnected:
+        is_complete = False
+        return Response(status_code=499)  # nobody is listening any more
+    except EngineDeadError as e:
+        raise service_unavailable(str(e)) from None
+    except RequestRejectedError as e:
+        raise APIError(str(e), 400) from None
+    finally:
+        finish(is_complete)
