@@ -8,9 +8,7 @@ import pty
 import re
 import select
 import signal
-import socket
 import struct
-import subprocess
 import sys
 import termios
 import time
@@ -19,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from servers import ServerProcess, free_port
 
 from nanoserve.testing import make_tiny_checkpoint
 
@@ -39,12 +38,6 @@ PROMPT = "\n> "
 ANSI_ESCAPE = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|[=>])")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def num_requests_running(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=5).text
     match = re.search(r"^vllm:num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
@@ -57,37 +50,8 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`nanoserve serve` on a tiny random Qwen3 with room for long replies."""
     tmp = tmp_path_factory.mktemp("chat_server")
     model = make_tiny_checkpoint(tmp / "model", "qwen3", max_position_embeddings=4096)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [
-        sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(model), "--port", str(port),
-        "--num-kv-blocks", "512", "--log-level", "warning", "--shutdown-timeout", "3",
-        "--api-key", API_KEY,
-    ]  # fmt: skip
-    log_path = tmp / "server.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited:\n{log_path.read_text(errors='replace')}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not healthy:\n{log_path.read_text(errors='replace')}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with ServerProcess(model, tmp / "server.log", "--api-key", API_KEY) as server:
+        yield server.url
 
 
 class Terminal:

@@ -4,13 +4,11 @@ import json
 import re
 import shlex
 import shutil
-import socket
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -46,24 +44,15 @@ def quick_start_curls() -> list[list[str]]:
     return [shlex.split(line) for line in curls]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_quick_start_serves_the_demo_model_and_answers_the_curl_examples(tmp_path):
     serve = shutil.which("nanoserve")
     assert serve, "the nanoserve console script is not installed (pip install -e .)"
-    port = free_port()
     # Exactly `nanoserve serve` from the README, on a free port instead of 8000.
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
-    server = subprocess.Popen(
-        [serve, "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT
-    )
+    server = ServerProcess(None, tmp_path / "server.log", command=[serve], test_flags=False)
+    port = server.port
     try:
-        wait_healthy(port, server, tmp_path / "server.log")
+        server.wait_healthy()
         for argv in quick_start_curls():
             argv = [arg.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for arg in argv]
             done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
@@ -78,19 +67,4 @@ def test_quick_start_serves_the_demo_model_and_answers_the_curl_examples(tmp_pat
             assert text, body
             assert choice["finish_reason"] in ("stop", "length")
     finally:
-        server.terminate()
-        assert server.wait(timeout=60) == 0
-        log.close()
-
-
-def wait_healthy(port: int, server: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        assert server.poll() is None, log_path.read_text()[-3000:]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"server not healthy in time: {log_path.read_text()[-3000:]}")
+        assert server.stop() == 0

@@ -13,6 +13,7 @@ from nanoserve.engine import loader
 from nanoserve.engine.kv_cache_manager import KVCacheManager
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.request import Request
+from nanoserve.engine.sampling_batch import seeded_generator
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.protocol import EngineStats, RequestDelta
 from nanoserve.sampling_params import SamplingParams
@@ -106,7 +107,7 @@ class Engine:
         params.validate_for_vocab(self.vocab_size)
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         if params.seed is not None:
-            request.generator = torch.Generator(self.device).manual_seed(params.seed)
+            request.generator = seeded_generator(params.seed, self.device)
         self.scheduler.add_request(request)
 
     def abort(self, request_ids: list[str]) -> None:

@@ -24,7 +24,8 @@ from nanoserve.engine.attention.layer import AttentionBackend
 from nanoserve.engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from nanoserve.engine.cpu_linear import install_packed_linears
 from nanoserve.engine.request import Request
-from nanoserve.engine.sampler import Sampler, SamplingBatch
+from nanoserve.engine.sampler import Sampler
+from nanoserve.engine.sampling_batch import SamplingBatch
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.protocol import TokenLogprobs
 

@@ -32,64 +32,70 @@ class ServerMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        self._model_name = model_name
+        self._add_engine_metrics()
+        self._add_request_metrics()
+        self._last_stats = EngineStats()
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self._model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(self._model_name)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            metric = Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
-            return metric.labels(model_name)
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        metric = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+        return metric.labels(self._model_name)
 
-        self.num_requests_running = gauge(
+    def _add_engine_metrics(self) -> None:
+        """Gauges and counters that mirror the worker's `EngineStats`."""
+        self.num_requests_running = self._gauge(
             "vllm:num_requests_running", "Requests in the running batch."
         )
-        self.num_requests_waiting = gauge(
+        self.num_requests_waiting = self._gauge(
             "vllm:num_requests_waiting", "Requests waiting to be scheduled."
         )
-        self.kv_cache_usage_perc = gauge(
+        self.kv_cache_usage_perc = self._gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)."
         )
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.num_preemptions = self._counter("vllm:num_preemptions", "Preempted requests.")
+        self.prefix_cache_queries = self._counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = self._counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+
+    def _add_request_metrics(self) -> None:
+        """Token counts, outcomes and latencies, measured in the front per request."""
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Generated tokens.")
         self._request_success = Counter(
             "vllm:request_success",
             "Finished requests, by finish reason.",
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self._model_name = model_name
         for reason in ("stop", "length", "abort"):
-            self._request_success.labels(model_name, reason)  # export zeros from the start
-        self.num_preemptions = counter("vllm:num_preemptions", "Preempted requests.")
-        self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        )
-        self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
-        )
-        self.http_requests_client_disconnected = counter(
+            self._request_success.labels(self._model_name, reason)  # export zeros from the start
+        self.http_requests_client_disconnected = self._counter(
             "vllm:http_requests_client_disconnected",
             "Requests whose client closed the connection before the response was complete.",
         )
-        self.time_to_first_token = histogram(
+        self.time_to_first_token = self._histogram(
             "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
         )
-        self.inter_token_latency = histogram(
+        self.inter_token_latency = self._histogram(
             "vllm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS
         )
-        self.e2e_request_latency = histogram(
+        self.e2e_request_latency = self._histogram(
             "vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
             REQUEST_BUCKETS,
         )  # fmt: skip
-        self.request_queue_time = histogram(
+        self.request_queue_time = self._histogram(
             "vllm:request_queue_time_seconds", "Time a request waited before it was scheduled.",
             REQUEST_BUCKETS,
         )  # fmt: skip
-        self._last_stats = EngineStats()
 
     def update_engine_stats(self, stats: EngineStats) -> None:
         """Set the gauges; advance the counters the engine keeps as running totals."""

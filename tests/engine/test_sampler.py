@@ -12,7 +12,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from nanoserve.engine.sampler import Sampler, SamplingBatch, seeded_generator
+from nanoserve.engine.sampler import Sampler
+from nanoserve.engine.sampling_batch import SamplingBatch, seeded_generator
 from nanoserve.sampling_params import SamplingParams
 
 VOCAB = 64

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from cycle_model import make_cycle_checkpoint
-from server_utils import API_KEY, ServerProcess
+from servers import API_KEY, ServerProcess
 
 from nanoserve.testing import make_tiny_checkpoint
 

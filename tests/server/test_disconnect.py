@@ -7,7 +7,7 @@ import socket
 import time
 
 import httpx
-from server_utils import ServerProcess, read_metrics
+from servers import ServerProcess, read_metrics
 
 DISCONNECTED = "vllm:http_requests_client_disconnected_total"
 

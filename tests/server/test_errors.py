@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_utils import ServerProcess, read_metrics
+from servers import ServerProcess, read_metrics
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import ServerProcess
+from servers import ServerProcess
 
 from nanoserve.tokenizer import load_tokenizer
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import API_KEY, ServerProcess
+from servers import API_KEY, ServerProcess
 
 
 @pytest.fixture

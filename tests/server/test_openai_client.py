@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 from cycle_model import CYCLE_TEXT
-from server_utils import API_KEY, ServerProcess
+from servers import API_KEY, ServerProcess
 
 
 @pytest.fixture(scope="module")

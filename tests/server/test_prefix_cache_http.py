@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import httpx
-from server_utils import ServerProcess, read_metrics
+from servers import ServerProcess, read_metrics
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 from cycle_model import CYCLE_TEXT
-from server_utils import API_KEY, ServerProcess
+from servers import API_KEY, ServerProcess
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

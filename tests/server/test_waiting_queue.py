@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import ServerProcess, read_metrics
+from servers import ServerProcess, read_metrics
 
 MAX_WAITING = 2
 LONG = {"max_tokens": 900, "ignore_eos": True, "stream": True}  # ≥ 10 s of decode each

@@ -1,4 +1,5 @@
-"""Helpers for tests against real server processes on 127.0.0.1 with ephemeral ports."""
+"""The one set of helpers for tests against real `nanoserve serve` processes on 127.0.0.1 with
+ephemeral ports: start one, wait for /health, list its worker, read its metrics, stop it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key-123"
-STARTUP_TIMEOUT_S = 180
+STARTUP_TIMEOUT_S = 240
+TEST_FLAGS = [
+    "--num-kv-blocks", "512", "--log-level", "warning", "--shutdown-timeout", "3",
+]  # fmt: skip
 
 
 def free_port() -> int:
@@ -40,19 +44,31 @@ def child_pids(pid: int) -> list[int]:
 
 
 class ServerProcess:
-    """`python -m nanoserve.cli serve ...` as a subprocess, with its log in a file."""
+    """`nanoserve serve ...` as a subprocess on a free port, with its log in a file.
 
-    def __init__(self, model: Path, log_path: Path, *args: str) -> None:
+    `test_flags` adds a small fixed KV pool, quiet logs and a short shutdown grace; `command`
+    replaces `python -m nanoserve.cli` (e.g. the installed console script).
+    """
+
+    def __init__(
+        self,
+        model: Path | None,
+        log_path: Path,
+        *args: str,
+        command: list[str] | None = None,
+        test_flags: bool = True,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [
-            sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(model),
-            "--port", str(self.port), "--num-kv-blocks", "512", "--log-level", "warning",
-            "--shutdown-timeout", "3", *args,
-        ]  # fmt: skip
+        argv = [*(command or [sys.executable, "-m", "nanoserve.cli"]), "serve"]
+        if model is not None:
+            argv += ["--model", str(model)]
+        argv += ["--port", str(self.port)]
+        if test_flags:
+            argv += TEST_FLAGS
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen([*argv, *args], stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -83,6 +99,13 @@ class ServerProcess:
                 self.process.wait()
         self._log.close()
         return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        self.wait_healthy()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
 
 def read_metrics(url: str) -> dict[str, float]:
