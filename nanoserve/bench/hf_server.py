@@ -1,6 +1,6 @@
 """The transformers baseline: a small FastAPI server over `model.generate`, as bake-offs use.
 
-    python -m benchmarks.hf_server --model DIR --port 8001 [--threads N] [--dtype auto]
+    python -m nanoserve.bench.hf_server --model DIR --port 8001 [--threads N] [--dtype auto]
 
 Serves `/v1/completions` (streamed with SSE, usage chunk on `stream_options.include_usage`),
 `/v1/models` and `/health`. Like the baselines public comparisons run, it handles one request

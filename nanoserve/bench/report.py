@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.client import RequestResult
-from benchmarks.metrics import distribution_ms, summarize
-from benchmarks.workloads import Workload
+from nanoserve.bench.client import RequestResult
+from nanoserve.bench.metrics import distribution_ms, summarize
+from nanoserve.bench.workloads import Workload
 
 
 @dataclass(frozen=True)

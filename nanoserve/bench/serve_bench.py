@@ -1,12 +1,13 @@
 """Serving benchmark: start each server, send every one the same requests, print one table.
 
-    python -m benchmarks.serve_bench --workload scoreboard              # nanoserve vs hf
-    python -m benchmarks.serve_bench --workload sweep --concurrency 1,4,16 --arm vllm
-    python -m benchmarks.serve_bench --workload all --arm nanoserve --arm url=sglang=http://h:30000
+    nanoserve bench --workload scoreboard              # nanoserve vs hf
+    nanoserve bench --workload sweep --concurrency 1,4,16 --arm vllm
+    nanoserve bench --workload all --arm nanoserve --arm url=sglang=http://h:30000
 
 By default every arm loads a dummy-weight Qwen3 checkpoint (`--preset`, bf16, seeded) written
 with a byte-level tokenizer to a temporary directory, so nothing is downloaded. Results go to
-benchmarks/results/<date>-<workload>/ as results.md, results.json and PNG plots.
+<output root>/<date>-<workload>/ as results.md, results.json and PNG plots; the output root is
+./benchmarks/results, relative to the current directory, unless --output-root names another.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import report, workloads
-from benchmarks.arms import DEFAULT_VLLM_VENV, REPO_ROOT, ArmOptions, Server, parse_arm
-from benchmarks.client import RequestResult, completion_body, run_phase, run_typing
-from benchmarks.metrics import summarize
-from benchmarks.models import PRESETS, decode_weight_bytes, make_dummy_checkpoint
-from benchmarks.workloads import Phase, PromptMaker, Workload
+from nanoserve.bench import report, workloads
+from nanoserve.bench.arms import DEFAULT_VLLM_VENV, ArmOptions, Server, parse_arm
+from nanoserve.bench.client import RequestResult, completion_body, run_phase, run_typing
+from nanoserve.bench.metrics import summarize
+from nanoserve.bench.models import PRESETS, decode_weight_bytes, make_dummy_checkpoint
+from nanoserve.bench.workloads import Phase, PromptMaker, Workload
 
-DEFAULT_OUTPUT_ROOT = REPO_ROOT / "benchmarks" / "results"
+DEFAULT_OUTPUT_ROOT = Path("benchmarks") / "results"  # relative to the current directory
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -121,7 +122,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     servers.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     servers.add_argument("--vllm-args", default="", help="extra arguments for vLLM (one string)")
     out = p.add_argument_group("output")
-    out.add_argument("--output-root", type=Path, default=DEFAULT_OUTPUT_ROOT)
+    out.add_argument(
+        "--output-root",
+        type=Path,
+        default=DEFAULT_OUTPUT_ROOT,
+        help="results go to OUTPUT_ROOT/<date>-<workload>/; a relative path is relative to the "
+        "current directory",
+    )
     out.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     if "all" in args.workload:
