@@ -35,7 +35,7 @@ from nanoserve.bench.arms import ArmOptions, ArmSpec, Server
 from nanoserve.bench.client import RequestResult, completion_body, make_client, stream_completion
 from nanoserve.bench.metrics import distribution_ms
 from nanoserve.bench.models import make_dummy_checkpoint
-from nanoserve.bench.serve_bench import results_dir
+from nanoserve.bench.results import results_dir
 from nanoserve.bench.workloads import PromptMaker
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"  # benchmarks/results

@@ -48,7 +48,7 @@ from nanoserve.bench.client import (
 )
 from nanoserve.bench.metrics import summarize
 from nanoserve.bench.models import PRESETS, make_dummy_checkpoint
-from nanoserve.bench.serve_bench import results_dir
+from nanoserve.bench.results import results_dir
 from nanoserve.bench.workloads import PromptMaker
 
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "nanoserve" / "bench-models"

@@ -58,6 +58,9 @@ class RequestResult:
         return record
 
 
+PhaseResults = dict[str, tuple[list[RequestResult], float]]  # phase label -> (results, wall s)
+
+
 def completion_body(
     model: str, prompt: str, max_tokens: int, ignore_eos: bool = False
 ) -> dict[str, object]:
