@@ -24,10 +24,11 @@ from collections.abc import AsyncIterator
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    PreTrainedTokenizerBase,
     StoppingCriteria,
     StoppingCriteriaList,
     TextIteratorStreamer,
@@ -37,7 +38,7 @@ from transformers import (
 class PerTokenStreamer(TextIteratorStreamer):
     """Queues the new text after every generated token; counts the tokens."""
 
-    def __init__(self, tokenizer, **kwargs) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, **kwargs: object) -> None:
         super().__init__(tokenizer, skip_prompt=True, **kwargs)
         self.num_tokens = 0
         self.error: str | None = None
@@ -232,8 +233,8 @@ def create_app(model_dir: str, served_name: str, dtype: str) -> FastAPI:
             "data": [{"id": served_name, "object": "model", "owned_by": "transformers"}],
         }
 
-    @app.post("/v1/completions")
-    async def completions(http_request: Request):
+    @app.post("/v1/completions", response_model=None)
+    async def completions(http_request: Request) -> dict | Response:
         try:
             request = parse_request(await http_request.json())
         except (BadRequest, ValueError) as exc:
