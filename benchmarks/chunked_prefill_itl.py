@@ -3,7 +3,7 @@
     python -m benchmarks.chunked_prefill_itl [--budget 256] [--streams 4] [--long-len 2000]
         [--repeats 3] [--threads 2] [--model DIR]
 
-Two nanoserve servers in turn, on a dummy-weight Qwen3 `tiny` checkpoint (benchmarks/models.py,
+Two nanoserve servers in turn, on a dummy-weight Qwen3 `tiny` checkpoint (nanoserve.bench.models,
 byte tokenizer: 1 character = 1 token) or --model: `chunked` (--max-num-batched-tokens --budget)
 and `unchunked` (--max-num-batched-tokens 4096: the whole long prompt runs in one step). For each:
 
@@ -31,13 +31,14 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.arms import REPO_ROOT, ArmOptions, ArmSpec, Server
-from benchmarks.client import RequestResult, completion_body, make_client, stream_completion
-from benchmarks.metrics import distribution_ms
-from benchmarks.models import make_dummy_checkpoint
-from benchmarks.serve_bench import results_dir
-from benchmarks.workloads import PromptMaker
+from nanoserve.bench.arms import ArmOptions, ArmSpec, Server
+from nanoserve.bench.client import RequestResult, completion_body, make_client, stream_completion
+from nanoserve.bench.metrics import distribution_ms
+from nanoserve.bench.models import make_dummy_checkpoint
+from nanoserve.bench.results import results_dir
+from nanoserve.bench.workloads import PromptMaker
 
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"  # benchmarks/results
 MODEL_CACHE = Path.home() / ".cache" / "nanoserve" / "bench-models"
 MAX_MODEL_LEN = 4096
 GOAL_RATIO = 2.0
@@ -226,7 +227,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="pass --compile to the servers")
     p.add_argument("--model", type=Path, help="checkpoint dir (default: dummy tiny Qwen3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-root", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    p.add_argument("--output-root", type=Path, default=RESULTS_ROOT)
     return p.parse_args(argv)
 
 

@@ -3,7 +3,7 @@
     python -m benchmarks.offline_throughput [--models tiny,0.6b] [--num-prompts 16]
         [--output-len 64] [--threads 2]
 
-For each model (a dummy-weight bf16 Qwen3 checkpoint written once by benchmarks.models, so both
+For each model (a dummy-weight bf16 Qwen3 checkpoint written once by nanoserve.bench.models, so both
 arms read the very same safetensors) four arms run the same greedy prompts (~128 tokens, every
 request runs exactly --output-len tokens):
 
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.models import ALLOWED_OUTPUT_IDS, decode_weight_bytes, make_dummy_checkpoint
+from nanoserve.bench.models import ALLOWED_OUTPUT_IDS, decode_weight_bytes, make_dummy_checkpoint
 
-MODELS = {"tiny": "tiny", "0.6b": "qwen3-0.6b"}  # --models name -> benchmarks.models preset
+MODELS = {"tiny": "tiny", "0.6b": "qwen3-0.6b"}  # --models name -> nanoserve.bench.models preset
 RESULTS_DIR = Path(__file__).parent / "results"
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "nanoserve" / "bench-models"
 

@@ -3,14 +3,14 @@
     python -m benchmarks.serving_overhead [--preset tiny] [--num-prompts 16] [--input-len 128]
         [--output-len 64] [--threads 2] [--compile]
 
-Both arms load the same dummy-weight bf16 checkpoint (benchmarks/models.py) with the same engine
-configuration (dtype, device, max_model_len, max_num_seqs, eager or not; recorded in the JSON)
-and get the same text prompts, greedy, ignore_eos, exactly --output-len tokens each:
+Both arms load the same dummy-weight bf16 checkpoint (nanoserve.bench.models) with the same
+engine configuration (dtype, device, max_model_len, max_num_seqs, eager or not; recorded in the
+JSON) and get the same text prompts, greedy, ignore_eos, exactly --output-len tokens each:
 
     throughput   all --num-prompts requests at once: output tokens / wall time. Offline: one
-                 `LLM.generate` call. Server: that many concurrent streams (benchmarks/client.py),
-                 first send to last [DONE]. Median over --repeats runs, each on fresh prompts
-                 (so the prefix cache never helps).
+                 `LLM.generate` call. Server: that many concurrent streams
+                 (nanoserve.bench.client), first send to last [DONE]. Median over --repeats
+                 runs, each on fresh prompts (so the prefix cache never helps).
     TTFT         one request at a time, median over --ttft-requests. Offline: `add_request`
                  until the engine step that yields its first token. Server: request sent until
                  the first SSE chunk with choices (concurrency 1).
@@ -38,21 +38,21 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.arms import REPO_ROOT, ArmOptions, ArmSpec, Server
-from benchmarks.client import (
+from nanoserve.bench.arms import ArmOptions, ArmSpec, Server
+from nanoserve.bench.client import (
     RequestResult,
     completion_body,
     make_client,
     run_phase,
     stream_completion,
 )
-from benchmarks.metrics import summarize
-from benchmarks.models import PRESETS, make_dummy_checkpoint
-from benchmarks.serve_bench import results_dir
-from benchmarks.workloads import PromptMaker
+from nanoserve.bench.metrics import summarize
+from nanoserve.bench.models import PRESETS, make_dummy_checkpoint
+from nanoserve.bench.results import results_dir
+from nanoserve.bench.workloads import PromptMaker
 
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "nanoserve" / "bench-models"
-DEFAULT_OUTPUT_ROOT = REPO_ROOT / "benchmarks" / "results"
+DEFAULT_OUTPUT_ROOT = Path(__file__).resolve().parent / "results"  # benchmarks/results
 GOAL_THROUGHPUT_RATIO = 0.90
 GOAL_TTFT_ADDED_MS = 10.0
 

@@ -201,7 +201,7 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmark OpenAI-compatible servers (benchmarks/serve_bench.py; needs a checkout)",
+        help="benchmark OpenAI-compatible servers side by side (nanoserve bench --help)",
         add_help=False,
     )
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -218,17 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_bench(bench_args: list[str]) -> int:
-    """Run benchmarks/serve_bench.py from the source checkout this package is installed from."""
-    checkout = Path(__file__).resolve().parent.parent
-    if not (checkout / "benchmarks" / "serve_bench.py").is_file():
-        print(
-            "nanoserve bench: benchmarks/serve_bench.py is not next to this installation; "
-            "install nanoserve from a source checkout with `pip install -e .`",
-            file=sys.stderr,
-        )
-        return 2
-    sys.path.insert(0, str(checkout))
-    from benchmarks.serve_bench import main as bench_main
+    """Run the serving benchmark (nanoserve.bench.serve_bench) with these arguments."""
+    from nanoserve.bench.serve_bench import main as bench_main
 
     return bench_main(bench_args) or 0
 

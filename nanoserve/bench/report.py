@@ -1,12 +1,13 @@
-"""Tables (markdown, from the same rows the JSON holds), greedy-output comparison and plots."""
+"""Tables: one row per arm (the JSON's rows), ratios to the baseline, greedy-output comparison,
+rendered as markdown."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.client import RequestResult
-from benchmarks.metrics import distribution_ms, summarize
-from benchmarks.workloads import Workload
+from nanoserve.bench.client import PhaseResults, RequestResult
+from nanoserve.bench.metrics import distribution_ms, summarize
+from nanoserve.bench.workloads import Phase, Workload
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,6 @@ def columns_for(workload: Workload) -> list[Column]:
     ]
 
 
-PhaseResults = dict[str, tuple[list[RequestResult], float]]  # phase label -> (results, wall s)
-
-
 def greedy_match(
     ours: list[RequestResult], reference: list[RequestResult] | None
 ) -> dict[str, int] | None:
@@ -121,8 +119,8 @@ def build_rows(
 ) -> list[dict]:
     """One row per arm (per arm and concurrency for the sweep), with ratios to `baseline`."""
     rows: list[dict] = []
+    reference = arm_results.get(baseline)
     for arm, phases in arm_results.items():
-        reference = arm_results.get(baseline)
         summaries = {label: summarize(*phases[label]) for label in phases}
         matches = {
             label: greedy_match(phases[label][0], reference[label][0] if reference else None)
@@ -130,68 +128,85 @@ def build_rows(
         }
         if workload.name == "sweep":
             for phase in workload.phases:
-                s = summaries[phase.label]
+                match = _match_cell([matches[phase.label]], arm, baseline)
                 rows.append(
-                    {
-                        "arm": arm,
-                        "concurrency": phase.params["concurrency"],
-                        **_common(s),
-                        "request_throughput": s["request_throughput"],
-                        "output_throughput": s["output_throughput"],
-                        "itl_p50_ms": s["itl_ms"]["p50"],
-                        "tpot_p50_ms": s["tpot_ms"]["p50"],
-                        "tpot_p99_ms": s["tpot_ms"]["p99"],
-                        "greedy_match": _match_cell([matches[phase.label]], arm, baseline),
-                    }
+                    {**_sweep_row(arm, phase, summaries[phase.label]), "greedy_match": match}
                 )
             continue
-        match = _match_cell(list(matches.values()), arm, baseline)
         if workload.name == "scoreboard":
-            single, concurrent = (summaries[p.label] for p in workload.phases)
-            decode = single["decode_tok_s_mean"]
-            row = {
-                "arm": arm,
-                "ttft_p50_ms": single["ttft_ms"]["p50"],
-                "ttft_p99_ms": single["ttft_ms"]["p99"],
-                "single_stream_tok_s": single["per_stream_tok_s_mean"],
-                "decode_tok_s": decode,
-                "decode_pct_of_bound": (
-                    100.0 * decode / bound_tok_s if decode and bound_tok_s else None
-                ),
-                "concurrent_tok_s": concurrent["output_throughput"],
-                "concurrent_per_stream_tok_s": concurrent["per_stream_tok_s_mean"],
-                "num_errors": single["num_errors"] + concurrent["num_errors"],
-            }
+            row = _scoreboard_row(arm, workload, summaries, bound_tok_s)
         elif workload.name == "autocomplete":
-            (s,) = summaries.values()
-            row = {
-                "arm": arm,
-                **_common(s),
-                "num_requests": s["num_requests"],
-                "num_finished": s["num_completed"],
-                "num_dropped": s["num_dropped"],
-            }
-        else:  # shared-prefix
-            (phase,) = workload.phases
-            results, _ = phases[phase.label]
-            first_seen: set[int] = set()
-            first, rest = [], []
-            for result, group in zip(results, phase.groups or [], strict=True):
-                if result.is_ok:
-                    (rest if group in first_seen else first).append(result.ttft_s)
-                first_seen.add(group)
-            (s,) = summaries.values()
-            row = {
-                "arm": arm,
-                **_common(s),
-                "ttft_first_p50_ms": distribution_ms(first)["p50"],
-                "ttft_rest_p50_ms": distribution_ms(rest)["p50"],
-                "output_throughput": s["output_throughput"],
-            }
-        row["greedy_match"] = match
+            row = _autocomplete_row(arm, summaries)
+        else:
+            row = _shared_prefix_row(arm, workload, phases, summaries)
+        row["greedy_match"] = _match_cell(list(matches.values()), arm, baseline)
         rows.append(row)
     _add_ratios(rows, columns_for(workload), baseline)
     return rows
+
+
+def _sweep_row(arm: str, phase: Phase, s: dict) -> dict:
+    return {
+        "arm": arm,
+        "concurrency": phase.params["concurrency"],
+        **_common(s),
+        "request_throughput": s["request_throughput"],
+        "output_throughput": s["output_throughput"],
+        "itl_p50_ms": s["itl_ms"]["p50"],
+        "tpot_p50_ms": s["tpot_ms"]["p50"],
+        "tpot_p99_ms": s["tpot_ms"]["p99"],
+    }
+
+
+def _scoreboard_row(
+    arm: str, workload: Workload, summaries: dict[str, dict], bound_tok_s: float | None
+) -> dict:
+    single, concurrent = (summaries[p.label] for p in workload.phases)
+    decode = single["decode_tok_s_mean"]
+    return {
+        "arm": arm,
+        "ttft_p50_ms": single["ttft_ms"]["p50"],
+        "ttft_p99_ms": single["ttft_ms"]["p99"],
+        "single_stream_tok_s": single["per_stream_tok_s_mean"],
+        "decode_tok_s": decode,
+        "decode_pct_of_bound": (100.0 * decode / bound_tok_s if decode and bound_tok_s else None),
+        "concurrent_tok_s": concurrent["output_throughput"],
+        "concurrent_per_stream_tok_s": concurrent["per_stream_tok_s_mean"],
+        "num_errors": single["num_errors"] + concurrent["num_errors"],
+    }
+
+
+def _autocomplete_row(arm: str, summaries: dict[str, dict]) -> dict:
+    (s,) = summaries.values()
+    return {
+        "arm": arm,
+        **_common(s),
+        "num_requests": s["num_requests"],
+        "num_finished": s["num_completed"],
+        "num_dropped": s["num_dropped"],
+    }
+
+
+def _shared_prefix_row(
+    arm: str, workload: Workload, phases: PhaseResults, summaries: dict[str, dict]
+) -> dict:
+    """TTFT of each group's first prompt apart from the rest (which may hit a prefix cache)."""
+    (phase,) = workload.phases
+    results, _ = phases[phase.label]
+    first_seen: set[int] = set()
+    first, rest = [], []
+    for result, group in zip(results, phase.groups or [], strict=True):
+        if result.is_ok:
+            (rest if group in first_seen else first).append(result.ttft_s)
+        first_seen.add(group)
+    (s,) = summaries.values()
+    return {
+        "arm": arm,
+        **_common(s),
+        "ttft_first_p50_ms": distribution_ms(first)["p50"],
+        "ttft_rest_p50_ms": distribution_ms(rest)["p50"],
+        "output_throughput": s["output_throughput"],
+    }
 
 
 def _common(summary: dict) -> dict:
@@ -238,72 +253,3 @@ def markdown_table(columns: list[Column], rows: list[dict], baseline: str | None
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def plot(
-    workload: Workload,
-    arm_results: dict[str, PhaseResults],
-    rows: list[dict],
-    out_dir,
-) -> list[str]:
-    """PNG plots: throughput and TTFT p50/p99 against concurrency (where there are several
-    levels) and the TTFT distribution of every arm. Returns the file names written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    levels = [p.params.get("concurrency") for p in workload.phases]
-    if len(levels) > 1 and all(levels):
-        fig_tp, ax_tp = plt.subplots(figsize=(6, 4))
-        fig_ttft, ax_ttft = plt.subplots(figsize=(6, 4))
-        for arm, phases in arm_results.items():
-            summaries = [summarize(*phases[p.label]) for p in workload.phases]
-            ax_tp.plot(levels, [s["output_throughput"] for s in summaries], marker="o", label=arm)
-            (line,) = ax_ttft.plot(
-                levels, [s["ttft_ms"]["p50"] for s in summaries], marker="o", label=f"{arm} p50"
-            )
-            ax_ttft.plot(
-                levels,
-                [s["ttft_ms"]["p99"] for s in summaries],
-                marker="x",
-                linestyle="--",
-                color=line.get_color(),
-                label=f"{arm} p99",
-            )
-        ax_ttft.set_yscale("log")  # queueing makes TTFT span orders of magnitude
-        for ax, fig, ylabel, name in (
-            (ax_tp, fig_tp, "output tokens/s", "throughput_vs_concurrency.png"),
-            (ax_ttft, fig_ttft, "time to first token (ms)", "ttft_vs_concurrency.png"),
-        ):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(levels, [str(c) for c in levels])
-            ax.set_xlabel("concurrent requests")
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"{workload.name}: {ylabel} against concurrency")
-            ax.grid(True, alpha=0.3)
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(out_dir / name, dpi=120)
-            plt.close(fig)
-            written.append(name)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for arm, phases in arm_results.items():
-        ttfts = sorted(
-            r.ttft_s * 1000 for results, _ in phases.values() for r in results if r.is_ok
-        )
-        if ttfts:
-            fractions = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
-            ax.step(ttfts, fractions, where="post", label=f"{arm} ({len(ttfts)} requests)")
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"{workload.name}: TTFT distribution (all phases)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "ttft_distribution.png", dpi=120)
-    plt.close(fig)
-    written.append("ttft_distribution.png")
-    return written

@@ -58,6 +58,9 @@ class RequestResult:
         return record
 
 
+PhaseResults = dict[str, tuple[list[RequestResult], float]]  # phase label -> (results, wall s)
+
+
 def completion_body(
     model: str, prompt: str, max_tokens: int, ignore_eos: bool = False
 ) -> dict[str, object]:
@@ -85,58 +88,19 @@ async def stream_completion(
     """
     start = time.perf_counter()
     result.sent_s = start - t0
-    last_chunk: float | None = None
-    saw_done = False
-    usage = None
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:300]
                 result.error = f"HTTP {response.status_code}: {detail}"
                 return
-            event = None
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
-                if not line:
-                    event = None  # a blank line ends an SSE event
-                    continue
-                if line.startswith(":"):
-                    continue  # SSE comment / keep-alive
-                if line.startswith("event:"):
-                    event = line[len("event:") :].strip()
-                    continue
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    saw_done = True
-                    break
-                try:
-                    frame = json.loads(data)
-                except ValueError:
-                    result.error = f"frame is not JSON: {data[:200]!r}"
-                    return
-                if event == "error" or (isinstance(frame, dict) and frame.get("error")):
-                    result.error = f"error frame: {json.dumps(frame)[:300]}"
-                    return
-                choices = frame.get("choices") or []
-                if choices:
-                    if result.ttft_s is None:
-                        result.ttft_s = now - start
-                    text = "".join(choice.get("text") or "" for choice in choices)
-                    if text:
-                        if last_chunk is not None:
-                            result.itl_s.append(now - last_chunk)
-                        last_chunk = now
-                        result.text += text
-                    for choice in choices:
-                        result.finish_reason = choice.get("finish_reason") or result.finish_reason
-                if frame.get("usage"):
-                    usage = frame["usage"]
+            saw_done, usage = await _read_events(response, result, start)
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return
     end = time.perf_counter()
+    if result.error is not None:
+        return  # a bad frame, already recorded
     if not saw_done:
         result.error = "stream ended without data: [DONE]"
     elif usage is None:
@@ -147,6 +111,64 @@ async def stream_completion(
         result.e2e_s = end - start
         result.prompt_tokens = usage.get("prompt_tokens")
         result.output_tokens = usage.get("completion_tokens")
+
+
+async def _read_events(
+    response: httpx.Response, result: RequestResult, start: float
+) -> tuple[bool, dict | None]:
+    """Read the SSE stream into `result`: (whether `data: [DONE]` came, the last usage seen).
+
+    Stops at the first frame that is not JSON or carries an error, with `result.error` set.
+    """
+    event = None
+    last_chunk: float | None = None
+    usage = None
+    async for line in response.aiter_lines():
+        now = time.perf_counter()
+        if not line:
+            event = None  # a blank line ends an SSE event
+            continue
+        if line.startswith(":"):
+            continue  # SSE comment / keep-alive
+        if line.startswith("event:"):
+            event = line[len("event:") :].strip()
+            continue
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return True, usage
+        try:
+            frame = json.loads(data)
+        except ValueError:
+            result.error = f"frame is not JSON: {data[:200]!r}"
+            return False, usage
+        if event == "error" or (isinstance(frame, dict) and frame.get("error")):
+            result.error = f"error frame: {json.dumps(frame)[:300]}"
+            return False, usage
+        last_chunk = _record_chunk(frame.get("choices") or [], result, now - start, now, last_chunk)
+        if frame.get("usage"):
+            usage = frame["usage"]
+    return False, usage
+
+
+def _record_chunk(
+    choices: list[dict], result: RequestResult, since_start_s: float, now: float, last: float | None
+) -> float | None:
+    """TTFT at the first chunk with choices, an ITL gap per chunk with text; the new `last`."""
+    if not choices:
+        return last
+    if result.ttft_s is None:
+        result.ttft_s = since_start_s
+    text = "".join(choice.get("text") or "" for choice in choices)
+    if text:
+        if last is not None:
+            result.itl_s.append(now - last)
+        last = now
+        result.text += text
+    for choice in choices:
+        result.finish_reason = choice.get("finish_reason") or result.finish_reason
+    return last
 
 
 class Progress:

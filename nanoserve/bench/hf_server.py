@@ -1,6 +1,6 @@
 """The transformers baseline: a small FastAPI server over `model.generate`, as bake-offs use.
 
-    python -m benchmarks.hf_server --model DIR --port 8001 [--threads N] [--dtype auto]
+    python -m nanoserve.bench.hf_server --model DIR --port 8001 [--threads N] [--dtype auto]
 
 Serves `/v1/completions` (streamed with SSE, usage chunk on `stream_options.include_usage`),
 `/v1/models` and `/health`. Like the baselines public comparisons run, it handles one request
@@ -19,14 +19,16 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    PreTrainedTokenizerBase,
     StoppingCriteria,
     StoppingCriteriaList,
     TextIteratorStreamer,
@@ -36,7 +38,7 @@ from transformers import (
 class PerTokenStreamer(TextIteratorStreamer):
     """Queues the new text after every generated token; counts the tokens."""
 
-    def __init__(self, tokenizer, **kwargs) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, **kwargs: object) -> None:
         super().__init__(tokenizer, skip_prompt=True, **kwargs)
         self.num_tokens = 0
         self.error: str | None = None
@@ -104,15 +106,18 @@ def parse_request(body: dict) -> dict:
     }
 
 
-def create_app(model_dir: str, served_name: str, dtype: str) -> FastAPI:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
-    lock = asyncio.Lock()  # one generation at a time
-    app = FastAPI()
+class HFGenerator:
+    """A transformers model that serves one request at a time, streaming token by token."""
 
-    def generate(request: dict, streamer: PerTokenStreamer, cancel: threading.Event) -> None:
-        inputs = tokenizer(request["prompt"], return_tensors="pt", add_special_tokens=False)
+    def __init__(self, model_dir: str, dtype: str) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+        self.lock = asyncio.Lock()  # one generation at a time
+
+    def _generate(self, request: dict, streamer: PerTokenStreamer, cancel: threading.Event) -> None:
+        """`model.generate` for one request (in its own thread), text into `streamer`."""
+        inputs = self.tokenizer(request["prompt"], return_tensors="pt", add_special_tokens=False)
         kwargs = {"max_new_tokens": request["max_tokens"]}
         if request["temperature"] > 0:
             kwargs.update(
@@ -126,10 +131,10 @@ def create_app(model_dir: str, served_name: str, dtype: str) -> FastAPI:
             kwargs["eos_token_id"] = None
         try:
             with torch.inference_mode():
-                model.generate(
+                self.model.generate(
                     **inputs,
                     **kwargs,
-                    pad_token_id=tokenizer.pad_token_id,
+                    pad_token_id=self.tokenizer.pad_token_id,
                     streamer=streamer,
                     stopping_criteria=StoppingCriteriaList([StopWhenSet(cancel)]),
                 )
@@ -138,13 +143,13 @@ def create_app(model_dir: str, served_name: str, dtype: str) -> FastAPI:
             streamer.end()
             raise
 
-    async def run(request: dict):
+    async def run(self, request: dict) -> AsyncIterator[tuple[str | None, dict | None]]:
         """Yield (text, None) per chunk, then (None, summary) once generation ends."""
-        async with lock:
+        async with self.lock:
             cancel = threading.Event()
-            streamer = PerTokenStreamer(tokenizer)
-            prompt_tokens = len(tokenizer.encode(request["prompt"], add_special_tokens=False))
-            thread = threading.Thread(target=generate, args=(request, streamer, cancel))
+            streamer = PerTokenStreamer(self.tokenizer)
+            prompt_ids = self.tokenizer.encode(request["prompt"], add_special_tokens=False)
+            thread = threading.Thread(target=self._generate, args=(request, streamer, cancel))
             thread.start()
             loop = asyncio.get_running_loop()
             try:
@@ -158,31 +163,64 @@ def create_app(model_dir: str, served_name: str, dtype: str) -> FastAPI:
                 cancel.set()
                 await loop.run_in_executor(None, thread.join)
             num_tokens = streamer.num_tokens
-            finish = "length" if num_tokens >= request["max_tokens"] else "stop"
-            yield (
-                None,
-                {
-                    "finish_reason": finish,
-                    "error": streamer.error,
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": num_tokens,
-                        "total_tokens": prompt_tokens + num_tokens,
-                    },
+            summary = {
+                "finish_reason": "length" if num_tokens >= request["max_tokens"] else "stop",
+                "error": streamer.error,
+                "usage": {
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": num_tokens,
+                    "total_tokens": len(prompt_ids) + num_tokens,
                 },
-            )
+            }
+            yield None, summary
 
-    def chunk(request_id: str, created: int, choices: list, usage: dict | None = None) -> str:
-        frame = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": served_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            frame["usage"] = usage
-        return f"data: {json.dumps(frame)}\n\n"
+
+def _frame(head: dict, choices: list, usage: dict | None = None) -> str:
+    """One SSE event: the completion's id, object, created and model, then choices (and usage)."""
+    frame = {**head, "choices": choices}
+    if usage is not None:
+        frame["usage"] = usage
+    return f"data: {json.dumps(frame)}\n\n"
+
+
+async def _complete(generator: HFGenerator, request: dict, head: dict) -> dict | JSONResponse:
+    """The whole completion as one JSON body (stream false)."""
+    text, summary = "", None
+    async for piece, summary in generator.run(request):  # noqa: B007 (the last one is kept)
+        text += piece or ""
+    if summary["error"]:
+        return JSONResponse({"error": {"message": summary["error"]}}, status_code=500)
+    choice = {"index": 0, "text": text, "logprobs": None}
+    choice["finish_reason"] = summary["finish_reason"]
+    return {**head, "choices": [choice], "usage": summary["usage"]}
+
+
+async def _events(generator: HFGenerator, request: dict, head: dict) -> AsyncIterator[str]:
+    """SSE events: a chunk per piece of text, the finish reason, usage if asked, [DONE]."""
+    async for piece, summary in generator.run(request):
+        if piece is not None:
+            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
+            yield _frame(head, [choice])
+            continue
+        if summary["error"]:
+            yield f"data: {json.dumps({'error': {'message': summary['error']}})}\n\n"
+        else:
+            finish = {
+                "index": 0,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": summary["finish_reason"],
+            }
+            yield _frame(head, [finish])
+            if request["include_usage"]:
+                yield _frame(head, [], summary["usage"])
+    yield "data: [DONE]\n\n"
+
+
+def create_app(model_dir: str, served_name: str, dtype: str) -> FastAPI:
+    """The baseline's FastAPI app: /health, /v1/models and /v1/completions."""
+    generator = HFGenerator(model_dir, dtype)
+    app = FastAPI()
 
     @app.get("/health")
     async def health() -> dict:
@@ -195,59 +233,28 @@ def create_app(model_dir: str, served_name: str, dtype: str) -> FastAPI:
             "data": [{"id": served_name, "object": "model", "owned_by": "transformers"}],
         }
 
-    @app.post("/v1/completions")
-    async def completions(http_request: Request):
+    @app.post("/v1/completions", response_model=None)
+    async def completions(http_request: Request) -> dict | Response:
         try:
             request = parse_request(await http_request.json())
         except (BadRequest, ValueError) as exc:
             error = {"message": str(exc), "type": "invalid_request_error", "code": 400}
             return JSONResponse({"error": error}, status_code=400)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": served_name,
+        }
         if not request["stream"]:
-            text, summary = "", None
-            async for piece, summary in run(request):  # noqa: B007 (the last one is kept)
-                text += piece or ""
-            if summary["error"]:
-                return JSONResponse({"error": {"message": summary["error"]}}, status_code=500)
-            choice = {"index": 0, "text": text, "logprobs": None}
-            choice["finish_reason"] = summary["finish_reason"]
-            return {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": served_name,
-                "choices": [choice],
-                "usage": summary["usage"],
-            }
-
-        async def events():
-            async for piece, summary in run(request):
-                if piece is not None:
-                    choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
-                    yield chunk(request_id, created, [choice])
-                    continue
-                if summary["error"]:
-                    yield f"data: {json.dumps({'error': {'message': summary['error']}})}\n\n"
-                else:
-                    finish = {
-                        "index": 0,
-                        "text": "",
-                        "logprobs": None,
-                        "finish_reason": summary["finish_reason"],
-                    }
-                    yield chunk(request_id, created, [finish])
-                    if request["include_usage"]:
-                        yield chunk(request_id, created, [], summary["usage"])
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+            return await _complete(generator, request, head)
+        return StreamingResponse(_events(generator, request, head), media_type="text/event-stream")
 
     return app
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Serve the baseline until interrupted."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--host", default="127.0.0.1")

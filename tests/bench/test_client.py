@@ -1,0 +1,82 @@
+"""The measuring client on canned SSE streams: timings of a good stream, errors of broken ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from nanoserve.bench.client import RequestResult, completion_body, stream_completion
+from nanoserve.bench.metrics import summarize
+
+
+def _frame(choices: list, usage: dict | None = None) -> str:
+    body = {"id": "x", "object": "text_completion", "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _text(text: str, finish: str | None = None) -> dict:
+    return {"index": 0, "text": text, "finish_reason": finish}
+
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+GOOD_STREAM = (
+    _frame([_text("a")])
+    + ": keep-alive\n\n"
+    + _frame([_text("b")])
+    + _frame([_text("c", "length")])
+    + _frame([], USAGE)
+    + "data: [DONE]\n\n"
+)
+
+
+def _run(body: str, status: int = 200) -> RequestResult:
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert json.loads(request.content)["stream_options"] == {"include_usage": True}
+        return httpx.Response(status, text=body, headers={"content-type": "text/event-stream"})
+
+    async def go() -> RequestResult:
+        result = RequestResult(index=0)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            request = completion_body("m", "hello", 3)
+            await stream_completion(client, "http://test/v1/completions", request, result, 0.0)
+        return result
+
+    return asyncio.run(go())
+
+
+def test_client_measures_a_good_stream():
+    result = _run(GOOD_STREAM)
+    assert result.error is None and result.is_ok
+    assert result.text == "abc"
+    assert (result.prompt_tokens, result.output_tokens) == (5, 3)
+    assert result.finish_reason == "length"
+    assert len(result.itl_s) == 2  # three text chunks, two gaps
+    assert 0 <= result.ttft_s <= result.e2e_s
+    assert result.tpot_s == pytest.approx((result.e2e_s - result.ttft_s) / 2)
+    summary = summarize([result], duration_s=1.0)
+    assert summary["num_completed"] == 1 and summary["num_errors"] == 0
+    assert summary["output_throughput"] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "error_start"),
+    [
+        ("boom", 500, "HTTP 500"),
+        (_frame([_text("a")]) + 'data: {"error": {"message": "bad"}}\n\n', 200, "error frame"),
+        (_frame([_text("a")]) + "event: error\ndata: {}\n\n", 200, "error frame"),
+        (_frame([_text("a")]) + "data: {not json\n\n", 200, "frame is not JSON"),
+        (_frame([_text("a")]) + _frame([], USAGE), 200, "stream ended without"),
+        (_frame([_text("a")]) + "data: [DONE]\n\n", 200, "no usage"),
+        (_frame([], USAGE) + "data: [DONE]\n\n", 200, "no chunk with choices"),
+    ],
+)
+def test_client_counts_broken_streams_as_errors(body, status, error_start):
+    result = _run(body, status)
+    assert result.error is not None and result.error.startswith(error_start), result.error
+    assert not result.is_ok
+    assert summarize([result], duration_s=1.0)["num_errors"] == 1
