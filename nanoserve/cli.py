@@ -277,9 +277,24 @@ def run_serve(args: argparse.Namespace) -> int:
         model_dir = check_engine_config(engine_config)
         tokenizer = load_tokenizer(model_dir, chat_template=args.chat_template)
     except ValueError as e:
-        print(f"nanoserve serve: {e}", file=sys.stderr)
+        print(f"nanoserve serve: {with_flag_names(str(e))}", file=sys.stderr)
         return 2
     return _run_server(args, engine_config, server_config, tokenizer)
+
+
+# EngineConfig fields whose flag is not the field's name with dashes.
+_FLAG_NAMES = {"compile_decode": "--compile", "enable_prefix_caching": "--no-enable-prefix-caching"}
+
+
+def with_flag_names(message: str) -> str:
+    """A config error with each EngineConfig field (those with an underscore, which no English
+    word has) named by its command-line flag."""
+    for field in dataclasses.fields(EngineConfig):
+        if "_" not in field.name:
+            continue
+        flag = _FLAG_NAMES.get(field.name, "--" + field.name.replace("_", "-"))
+        message = re.sub(rf"(?<![\w-]){field.name}\b", flag, message)
+    return message
 
 
 def _run_server(args: argparse.Namespace, engine_config: EngineConfig, server_config, tokenizer):

@@ -4,7 +4,7 @@ uses it to list models and stream the JSON chunks of completions."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import httpx
@@ -46,7 +46,7 @@ class OpenAIServer:
         except (ValueError, KeyError, TypeError):
             raise ClientError(f"{self.url}/v1/models did not answer with a model list") from None
 
-    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def stream(self, path: str, body: dict[str, Any]) -> Generator[dict[str, Any], None, None]:
         """The JSON chunks of an SSE response, up to `data: [DONE]`; closing this closes it."""
         try:
             with self.http.stream("POST", path, json=body) as response:

@@ -9,15 +9,19 @@ modeling code.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nanoserve.byte_tokenizer import SPECIAL_TOKENS, save_byte_level_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 ARCHITECTURES = ("qwen3", "qwen2", "llama", "mistral")
 
 # Small enough to run in milliseconds, big enough to exercise GQA, several blocks and layers.
-_TINY = {
+_TINY: dict[str, Any] = {
     "vocab_size": 320,  # 256 bytes + specials, padded
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -32,11 +36,12 @@ _TINY = {
 }
 
 
-def tiny_config(architecture: str = "qwen3", **overrides):
+def tiny_config(architecture: str = "qwen3", **overrides: Any) -> PretrainedConfig:
     """A transformers config object for a tiny model of `architecture`."""
     import transformers
 
     values = dict(_TINY)
+    cls: type[PretrainedConfig]
     if architecture == "qwen3":
         cls = transformers.Qwen3Config
         values.update(head_dim=32, tie_word_embeddings=True)
@@ -70,7 +75,7 @@ def make_tiny_checkpoint(
     architecture: str = "qwen3",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
-    **config_overrides,
+    **config_overrides: Any,
 ) -> Path:
     """Write config.json, model.safetensors, generation_config.json and tokenizer files."""
     import transformers

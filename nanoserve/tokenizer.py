@@ -173,11 +173,13 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if self._backend is not None:  # skips transformers' clean-up of spaces, which is lossy
             return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
-        return self._tokenizer.decode(
+        text = self._tokenizer.decode(
             token_ids,
             skip_special_tokens=self._skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
     def _decode_new(self, final: bool) -> str:
         """Text of the new tokens up to the last complete character (all of it when final)."""

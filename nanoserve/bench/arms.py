@@ -197,6 +197,7 @@ class Server:
         return argv, description
 
     def _cmd_launch(self, env: dict) -> tuple[list[str], dict]:
+        assert self.spec.command is not None  # parse_arm gives every cmd arm its command
         argv = ["bash", "-c", self.spec.command]
         description = {
             "server": "start command",

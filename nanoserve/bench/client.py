@@ -50,6 +50,7 @@ class RequestResult:
     def tpot_s(self) -> float | None:
         if not self.is_ok or not self.output_tokens or self.output_tokens < 2:
             return None
+        assert self.e2e_s is not None and self.ttft_s is not None  # is_ok: both were measured
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
     def to_json(self) -> dict:

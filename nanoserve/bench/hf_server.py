@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import torch
 import uvicorn
@@ -38,7 +39,7 @@ from transformers import (
 class PerTokenStreamer(TextIteratorStreamer):
     """Queues the new text after every generated token; counts the tokens."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, **kwargs: object) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, **kwargs: Any) -> None:
         super().__init__(tokenizer, skip_prompt=True, **kwargs)
         self.num_tokens = 0
         self.error: str | None = None
@@ -51,7 +52,8 @@ class PerTokenStreamer(TextIteratorStreamer):
             return
         self.num_tokens += value.numel()
         self.token_cache.extend(value.tolist())
-        text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+        # decode returns list[str] only for a batch of id lists; token_cache is one list of ids.
+        text = cast(str, self.tokenizer.decode(self.token_cache, **self.decode_kwargs))
         if text.endswith("\ufffd"):
             return  # an incomplete UTF-8 character: wait for its next byte
         new_text = text[self.print_len :]
@@ -188,6 +190,7 @@ async def _complete(generator: HFGenerator, request: dict, head: dict) -> dict |
     text, summary = "", None
     async for piece, summary in generator.run(request):  # noqa: B007 (the last one is kept)
         text += piece or ""
+    assert summary is not None  # run() always ends with the summary
     if summary["error"]:
         return JSONResponse({"error": {"message": summary["error"]}}, status_code=500)
     choice = {"index": 0, "text": text, "logprobs": None}
@@ -202,6 +205,7 @@ async def _events(generator: HFGenerator, request: dict, head: dict) -> AsyncIte
             choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
             yield _frame(head, [choice])
             continue
+        assert summary is not None  # a piece of None comes with the summary
         if summary["error"]:
             yield f"data: {json.dumps({'error': {'message': summary['error']}})}\n\n"
         else:

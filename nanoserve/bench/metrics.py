@@ -14,7 +14,7 @@ def distribution_ms(values_s: list[float]) -> dict[str, float | None]:
     if not values_s:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
     values_ms = np.asarray(values_s, dtype=np.float64) * 1000.0
-    summary = {"mean": float(values_ms.mean())}
+    summary: dict[str, float | None] = {"mean": float(values_ms.mean())}
     for p in PERCENTILES:
         summary[f"p{p}"] = float(np.percentile(values_ms, p))
     return summary
@@ -45,8 +45,8 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         ),
         "per_stream_tok_s_mean": float(np.mean(stream_tok_s)) if stream_tok_s else None,
         "decode_tok_s_mean": float(np.mean(decode_tok_s)) if decode_tok_s else None,
-        "ttft_ms": distribution_ms([r.ttft_s for r in ok]),
+        "ttft_ms": distribution_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_ms": distribution_ms([gap for r in ok for gap in r.itl_s]),
         "tpot_ms": distribution_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
-        "e2e_ms": distribution_ms([r.e2e_s for r in ok]),
+        "e2e_ms": distribution_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
     }

@@ -16,13 +16,17 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 EOS_TOKEN_ID = 258  # <|im_end|> of nanoserve.byte_tokenizer
 PAD_TOKEN_ID = 256  # <|endoftext|>
 
-_COMMON = {
+_COMMON: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 1_000_000.0,
     "tie_word_embeddings": True,
@@ -33,7 +37,7 @@ _COMMON = {
 }
 
 # Shapes of well-known checkpoints (from their config.json), plus two small ones for tests.
-PRESETS: dict[str, dict] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "test": {
         "vocab_size": 320,
         "hidden_size": 64,
@@ -118,7 +122,7 @@ def make_dummy_checkpoint(directory: str | Path, preset: str, seed: int = 0) -> 
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, config, seed: int) -> None:
+def _init_weights(model: PreTrainedModel, config, seed: int) -> None:
     """Seeded weights: norms ≈ 1, linears ~ N(0, 1/fan_in), embeddings ~ N(0, 0.1²)."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 from nanoserve.bench.client import PhaseResults
 from nanoserve.bench.metrics import summarize
@@ -24,7 +25,8 @@ def plot(
     written = []
     levels = [p.params.get("concurrency") for p in workload.phases]
     if len(levels) > 1 and all(levels):
-        written += _plot_against_concurrency(workload, arm_results, levels, out_dir)
+        concurrency_levels = cast("list[int]", levels)  # all() above: every phase has one
+        written += _plot_against_concurrency(workload, arm_results, concurrency_levels, out_dir)
     written.append(_plot_ttft_distribution(workload, arm_results, out_dir))
     return written
 
@@ -80,7 +82,10 @@ def _plot_ttft_distribution(
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm, phases in arm_results.items():
         ttfts = sorted(
-            r.ttft_s * 1000 for results, _ in phases.values() for r in results if r.is_ok
+            r.ttft_s * 1000
+            for results, _ in phases.values()
+            for r in results
+            if r.is_ok and r.ttft_s is not None
         )
         if ttfts:
             fractions = [(i + 1) / len(ttfts) for i in range(len(ttfts))]

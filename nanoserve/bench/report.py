@@ -194,9 +194,11 @@ def _shared_prefix_row(
     (phase,) = workload.phases
     results, _ = phases[phase.label]
     first_seen: set[int] = set()
-    first, rest = [], []
+    first: list[float] = []
+    rest: list[float] = []
     for result, group in zip(results, phase.groups or [], strict=True):
         if result.is_ok:
+            assert result.ttft_s is not None  # is_ok: the first chunk was timed
             (rest if group in first_seen else first).append(result.ttft_s)
         first_seen.add(group)
     (s,) = summaries.values()

@@ -163,13 +163,14 @@ def _run_round(
 ) -> tuple[list[Workload], WorkloadResults]:
     """Round `index`: its salted workloads against every started arm, the order rotated."""
     round_workloads = [workloads.for_round(w, index) for w in built]
-    # Keyed in the arms' order (the table's rows), whoever runs first.
-    round_results = {w.name: dict.fromkeys(names) for w in built}
+    measured: dict[tuple[str, str], PhaseResults] = {}  # (workload, arm) -> its phases
     shift = index % max(1, len(names))
     for name in names[shift:] + names[:shift]:
         print(f"round {index + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
         for workload in round_workloads:
-            round_results[workload.name][name] = run_workload(servers[name], workload, args)
+            measured[workload.name, name] = run_workload(servers[name], workload, args)
+    # Keyed in the arms' order (the table's rows), whoever ran first.
+    round_results = {w.name: {name: measured[w.name, name] for name in names} for w in built}
     return round_workloads, round_results
 
 

@@ -9,6 +9,7 @@ import random
 import string
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 WORKLOADS = ("scoreboard", "sweep", "autocomplete", "shared-prefix")
 
@@ -70,7 +71,8 @@ class PromptMaker:
                 length = self.rng.randint(2, 9)
                 words.append("".join(self.rng.choices(string.ascii_lowercase, k=length)))
             ids = self.tokenizer.encode(" ".join(words), add_special_tokens=False)
-        return self.tokenizer.decode(ids[:num_tokens])
+        # decode returns list[str] only for a batch of id lists; this is one list of ids.
+        return cast(str, self.tokenizer.decode(ids[:num_tokens]))
 
 
 def scoreboard(num_prompts: int, max_tokens: int, concurrency: int) -> Workload:
@@ -249,12 +251,20 @@ def pooled(rounds: list[Workload]) -> Workload:
     phases = []
     for index, phase in enumerate(first.phases):
         per_round = [w.phases[index] for w in rounds]
-        groups = send_times_s = None
+        groups: list[int] | None = None
+        send_times_s: list[float] | None = None
+        # Every round is a salted copy of the first, so its phases have the same fields set.
         if phase.groups is not None:
             span = max(phase.groups) + 1
-            groups = [g + r * span for r, p in enumerate(per_round) for g in p.groups]
+            groups = []
+            for r, p in enumerate(per_round):
+                assert p.groups is not None
+                groups += [g + r * span for g in p.groups]
         if phase.send_times_s is not None:
-            send_times_s = [t for p in per_round for t in p.send_times_s]
+            send_times_s = []
+            for p in per_round:
+                assert p.send_times_s is not None
+                send_times_s += p.send_times_s
         prompts = [q for p in per_round for q in p.prompts]
         phases.append(replace(phase, prompts=prompts, groups=groups, send_times_s=send_times_s))
     return replace(first, phases=phases)

@@ -14,6 +14,7 @@ neighbours; the plain weight is then kept beside the packed one.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from torch import nn
@@ -78,12 +79,12 @@ class PackedLinearMethod(LinearMethod):
         """Pack the weight; drop the plain one unless kept (a tied weight lives on elsewhere)."""
         layer.packed_weight = pack(layer.weight)
         if not self.keep_plain_weight:
-            layer.weight = None
+            layer.weight = None  # type: ignore[assignment]  # the packed copy replaces it
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if torch.compiler.is_compiling() and x.shape[0] == 1 and layer.weight is not None:
             return one_token_linear(x, layer.weight, layer.bias)
-        return packed_linear(x, layer.packed_weight, layer.bias)
+        return packed_linear(x, cast(torch.Tensor, layer.packed_weight), layer.bias)
 
 
 def install_packed_linears(model: nn.Module, keep_plain_weights: bool) -> int:

@@ -29,6 +29,7 @@ from nanoserve.checkpoint import (
 from nanoserve.config import DTYPES, EngineConfig, ModelConfig
 from nanoserve.engine.layers.linear import MergedLinear
 from nanoserve.engine.layers.norm import RMSNorm
+from nanoserve.engine.models.llama import LlamaForCausalLM
 from nanoserve.engine.models.registry import get_model_class
 
 logger = logging.getLogger("nanoserve.loader")
@@ -39,7 +40,7 @@ DUMMY_INIT_STD = 0.02
 class LoadedModel(NamedTuple):
     """What `load_model` returns: the model, its config and the directory it came from."""
 
-    model: nn.Module
+    model: LlamaForCausalLM
     model_config: ModelConfig
     model_dir: Path
 
@@ -94,7 +95,9 @@ def load_model(
     return LoadedModel(model, model_config, model_dir)
 
 
-def build_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def build_model(
+    model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> LlamaForCausalLM:
     """The model with uninitialized `dtype` weights on `device`, in eval mode.
 
     Built on the meta device first so no time goes into random init that the weights overwrite.

@@ -13,6 +13,7 @@ every request runs one token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from nanoserve.engine.attention.eager import EagerAttention
 from nanoserve.engine.attention.layer import AttentionBackend
 from nanoserve.engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from nanoserve.engine.cpu_linear import install_packed_linears
+from nanoserve.engine.models.llama import LlamaForCausalLM
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_batch import SamplingBatch
@@ -57,7 +59,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
@@ -75,10 +77,11 @@ class ModelRunner:
             install_packed_linears(model, keep_plain_weights=compile_decode)
         self.attention_backend = select_attention_backend(device, compile_decode)
         # Compiled steps: see docs/architecture.md, "The compiled decode path".
-        self.compiled_model = torch.compile(model, dynamic=True) if compile_decode else None
-        self.compiled_logits = (
-            torch.compile(model.compute_logits, dynamic=True) if compile_decode else None
-        )
+        self.compiled_model: Callable[..., torch.Tensor] | None = None
+        self.compiled_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if compile_decode:
+            self.compiled_model = torch.compile(model, dynamic=True)
+            self.compiled_logits = torch.compile(model.compute_logits, dynamic=True)
         self.num_blocks = self._num_kv_blocks(cache_config, scheduler_config)
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
 
@@ -181,7 +184,8 @@ class ModelRunner:
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """Run the scheduled tokens; return the sampled token (and logprobs) per request."""
         inputs = self.prepare_inputs(out)
-        model, compute_logits = self.model, self.model.compute_logits
+        model: Callable[..., torch.Tensor] = self.model
+        compute_logits: Callable[[torch.Tensor], torch.Tensor] = self.model.compute_logits
         if self.compiled_model is not None and inputs.attn_meta.is_decode_only:
             model = self.compiled_model
         if self.compiled_logits is not None:

@@ -84,7 +84,7 @@ class Sampler:
         if batch.logit_bias is not None:
             rows, ids, values = batch.logit_bias
             logits.index_put_((rows, ids), values, accumulate=True)
-        if batch.repetition_penalty is not None:
+        if batch.repetition_penalty is not None and batch.seen_mask is not None:
             # As in the CTRL paper and transformers: a seen token's logit moves towards zero
             # if positive, away from zero if negative, so the penalty always lowers it.
             penalty = batch.repetition_penalty  # [B, 1]
@@ -93,7 +93,9 @@ class Sampler:
         if batch.output_counts is not None:
             # OpenAI: logit -= frequency * count + presence * (count > 0)
             counts = batch.output_counts  # [B, V]
-            logits -= batch.frequency_penalty * counts + batch.presence_penalty * (counts > 0)
+            frequency, presence = batch.frequency_penalty, batch.presence_penalty  # [B, 1] each
+            assert frequency is not None and presence is not None
+            logits -= frequency * counts + presence * (counts > 0)
         if batch.banned is not None:
             logits[batch.banned] = _NEG_INF
         return logits
@@ -101,6 +103,7 @@ class Sampler:
     @staticmethod
     def apply_warpers(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """temperature → top-k → top-p → min-p; each filter keeps at least the top token."""
+        assert batch.temperature is not None, "warpers run only when some row is random"
         logits = logits / batch.temperature  # [B, V]
         if batch.top_k is not None:
             logits = apply_top_k(logits, batch.top_k, batch.max_top_k)

@@ -162,7 +162,7 @@ def _logit_bias(rows: _Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] 
 
 def _repetition(
     rows: _Rows, prompt_ids: list[list[int]], output_ids: list[list[int]], vocab_size: int
-) -> dict[str, torch.Tensor | None]:
+) -> dict[str, Any]:
     """The repetition penalty per row and which tokens each row has seen (prompt + output)."""
     params = rows.params
     if all(p.repetition_penalty == 1.0 for p in params):
@@ -181,7 +181,7 @@ def _repetition(
 
 def _presence_frequency(
     rows: _Rows, output_ids: list[list[int]], vocab_size: int
-) -> dict[str, torch.Tensor | None]:
+) -> dict[str, Any]:
     """The presence and frequency penalties per row and each row's output token counts."""
     params = rows.params
     if all(p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params):

@@ -67,11 +67,9 @@ class CompletionServing(OpenAIServing):
 
     def prompts(self, request: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         """Token ids and text of each prompt (text is used by echo)."""
-        prompt = request.prompt
-        if isinstance(prompt, str) or (
-            isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
-        ):
-            prompt = [prompt]  # type: ignore[list-item]  # one prompt
+        prompt: list = request.prompt if isinstance(request.prompt, list) else [request.prompt]
+        if prompt and isinstance(prompt[0], int):
+            prompt = [prompt]  # one prompt of token ids
         if not prompt:
             raise APIError("prompt is empty; give a string or token ids", 400, "prompt")
         token_ids, texts = [], []
@@ -82,7 +80,7 @@ class CompletionServing(OpenAIServing):
                 ids = self.tokenizer.encode(item, add_special_tokens=add_special) if item else []
                 text: str | None = item
             else:
-                ids, text = list(item), None  # type: ignore[arg-type]  # token ids
+                ids, text = list(item), None
             if request.suffix is not None:
                 ids = self._fill_in_the_middle(ids, request.suffix)
             self.check_prompt(ids, "prompt")

@@ -97,11 +97,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(list(exc.errors())))
+        return error_response(validation_error([dict(error) for error in exc.errors()]))
 
     @app.exception_handler(ValidationError)
     async def _pydantic_validation(request: Request, exc: ValidationError) -> JSONResponse:
-        return error_response(validation_error(list(exc.errors())))
+        return error_response(validation_error([dict(error) for error in exc.errors()]))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:

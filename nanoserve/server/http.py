@@ -102,7 +102,7 @@ async def read_json_body(request: Request, model: type[T], max_bytes: int) -> T:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise validation_error(list(e.errors())) from None  # type: ignore[arg-type]
+        raise validation_error([dict(error) for error in e.errors()]) from None
 
 
 def json_response(model: BaseModel) -> Response:

@@ -13,6 +13,8 @@ from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:  # the endpoint modules import this one
+    from transformers import PreTrainedTokenizerBase
+
     from nanoserve.server.chat import ChatServing
     from nanoserve.server.completions import CompletionServing
 
@@ -40,7 +42,7 @@ class ServerState:
 
     config: ServerConfig
     client: EngineClient
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     metrics: ServerMetrics
     completions: CompletionServing
     chat: ChatServing

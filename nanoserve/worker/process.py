@@ -1,8 +1,8 @@
 """The worker process: load the engine, say Ready, then drain → step → send until told to stop.
 
 Run by the front as `python -m nanoserve.worker.process ...` (a fresh interpreter: no fork of a
-process holding threads, sockets or CUDA state). `serve_engine` is the loop itself; the
-in-process engine client runs the same loop in a thread.
+process holding threads, sockets or CUDA state). `serve_engine` is the loop itself, written
+against any receive/send pair so that tests can drive it without sockets.
 """
 
 from __future__ import annotations
@@ -84,20 +84,15 @@ def _handle(engine, message, send: Callable[[msgspec.Struct], None]) -> None:
 def worker_environment() -> dict[str, str]:
     """The worker's environment: the front's, with one core left to the front on CPU.
 
-    The front, its HTTP clients and the worker share the cores. Unless OMP_NUM_THREADS says
-    otherwise the worker computes on `cores - 1` threads (as vLLM's CPU backend reserves one):
-    on 2 cores a 1-thread worker served 1,613 tok/s against 1,312 for a 2-thread one
-    (benchmarks/serving_overhead.py, tiny model).
+    - Threads: unless OMP_NUM_THREADS says otherwise the worker computes on `cores - 1` threads
+      (as vLLM's CPU backend reserves one), so the front and its HTTP clients keep a core.
+    - OpenMP keeps its default wait policy (spin briefly between parallel regions, then sleep):
+      passive waiting pays a thread wake-up on every op.
+    - PyTorch's CPU allocator backs tensors of 2 MB and more with transparent huge pages
+      (THP_MEM_ALLOC_ENABLE=1 unless set): decoding streams every weight once per token, and
+      with 4 KB pages each 4 KB costs a TLB miss.
 
-    OpenMP keeps its default wait policy (threads spin briefly between parallel regions, then
-    sleep). Passive waiting (OMP_WAIT_POLICY=PASSIVE) pays a thread wake-up on every op: with
-    2 threads it made a 45-token prefill of the Qwen3-0.6B shape 290 ms instead of 185 ms and
-    halved a tiny model's single-stream tok/s over HTTP (benchmarks/RESULTS.md).
-
-    PyTorch's CPU allocator backs tensors of 2 MB and more with transparent huge pages
-    (THP_MEM_ALLOC_ENABLE=1, unless the environment says otherwise): decoding streams every
-    weight once per token, and with 4 KB pages each 4 KB costs a TLB miss. A compiled
-    single-stream decode step of the Qwen3-0.6B shape took ~47 ms instead of ~51 ms.
+    What each choice measured is in benchmarks/RESULTS.md.
     """
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))

@@ -53,7 +53,7 @@ class FrontSockets:
 
     def __init__(self, addresses: WorkerAddresses) -> None:
         self._codec = front_codec()
-        self._push = zmq.Context.instance().socket(zmq.PUSH)
+        self._push: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)  # 0: no limit on queued messages
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(addresses.to_worker)
@@ -72,7 +72,7 @@ class FrontSockets:
         """The next ToFront message, or None if none came within `timeout_s`."""
         if not await self._pull.poll(timeout=int(timeout_s * 1000)):
             return None
-        return self._codec.decode(await self._pull.recv(copy=False))
+        return self._codec.decode((await self._pull.recv(copy=False)).buffer)
 
     def close(self) -> None:
         self._push.close(linger=0)
@@ -105,7 +105,7 @@ class WorkerSockets:
             if not self._pull.poll(timeout=timeout_ms):
                 return None
             data = self._pull.recv(copy=False)
-        return self._codec.decode(data)
+        return self._codec.decode(data.buffer)
 
     def close(self, linger_s: float = 1.0) -> None:
         """Close, giving queued outputs (e.g. WorkerFailed) up to `linger_s` to leave."""

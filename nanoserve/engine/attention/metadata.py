@@ -81,7 +81,9 @@ def _build_group(
         table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
     is_decode_only = max(query_lens) == 1
 
-    decode_mask = decode_slots = prompt_masks = None
+    decode_mask: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    prompt_masks: list[torch.Tensor | None] | None = None
     if is_decode_only:
         key_positions = torch.arange(max_blocks * block_size)  # [K]
         decode_mask = (key_positions[None, :] < seq_lens_t[:, None])[:, None, None].to(device)

@@ -22,10 +22,9 @@ def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> t
     # Built on the CPU even when the model itself is built on the meta device.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (base**exponents)  # [D/2]
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
-    if rope_type == "default":
+    if rope_scaling is None or rope_scaling.get("rope_type", "default") == "default":
         return inv_freq
-    if rope_type == "linear":
+    if rope_scaling["rope_type"] == "linear":
         return inv_freq / rope_scaling["factor"]
     return _llama3_inv_freq(inv_freq, rope_scaling)
 
@@ -49,6 +48,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Looks up cos/sin for token positions from a float32 table built once."""
+
+    cos_cache: torch.Tensor  # [max_position, D/2] float32 (a buffer)
+    sin_cache: torch.Tensor
 
     def __init__(
         self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None

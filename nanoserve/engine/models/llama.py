@@ -17,6 +17,8 @@ the loader copies `q_proj`, `k_proj`, ... into their rows (see MergedLinear).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -188,4 +190,5 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         """The PagedAttention module of every layer, in order, for binding KV caches."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        layers = cast(list[LlamaDecoderLayer], list(self.model.layers))
+        return [layer.self_attn.attn for layer in layers]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from nanoserve.checkpoint import SUPPORTED_ARCHITECTURES
 from nanoserve.engine.models.llama import LlamaForCausalLM
 
 # Llama, Mistral, Qwen2 and Qwen3 differ only in switches that ModelConfig carries.
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -17,7 +15,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     """The model class for `architecture`; ValueError naming the supported ones otherwise."""
     try:
         return MODEL_REGISTRY[architecture]
