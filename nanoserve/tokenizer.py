@@ -104,11 +104,6 @@ def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": "\n".join(texts)}
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """The tokenizer's end-of-sequence token id, as a set (empty when it has none)."""
-    return set() if tokenizer.eos_token_id is None else {int(tokenizer.eos_token_id)}
-
-
 class IncrementalDetokenizer:
     """Turns one request's stream of output token ids into text deltas and applies stop strings.
 

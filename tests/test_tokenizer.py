@@ -14,7 +14,6 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import (
     IncrementalDetokenizer,
     apply_chat_template,
-    eos_token_ids,
     load_tokenizer,
 )
 
@@ -60,7 +59,7 @@ def stream(
 def test_load_tokenizer_local_dir(tokenizer: PreTrainedTokenizerFast) -> None:
     assert tokenizer.is_fast
     assert encode(tokenizer, "hé") == [104, 0xC3, 0xA9]
-    assert eos_token_ids(tokenizer) == {IM_END}
+    assert tokenizer.eos_token_id == IM_END
 
 
 def test_load_tokenizer_dir_without_tokenizer_files(tmp_path: Path) -> None:

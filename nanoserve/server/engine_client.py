@@ -92,10 +92,6 @@ class EngineClient:
         return self._is_ready
 
     @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
-    @property
     def num_unstarted(self) -> int:
         return len(self._unstarted_ids)
 
@@ -176,17 +172,12 @@ class ZmqEngineClient(EngineClient):
         self.config = config
         self.log_level = log_level
         self.restart_delay_s = restart_delay_s
-        self.num_restarts = 0
         self._ipc = IpcDirectory()
         self._generation = 0
         self._sockets: FrontSockets | None = None
         self._worker: WorkerProcess | None = None
         self._supervisor: asyncio.Task | None = None
         self._is_closing = False
-
-    @property
-    def worker_pid(self) -> int | None:
-        return self._worker.pid if self._worker is not None else None
 
     async def start(self) -> None:
         """Start the worker and wait until it is ready (raises EngineStartError if it fails)."""
@@ -252,7 +243,6 @@ class ZmqEngineClient(EngineClient):
             while not self._is_closing:
                 try:
                     await self._start_worker()
-                    self.num_restarts += 1
                     break
                 except EngineStartError as e:
                     logger.error("%s; retrying in %.1f s", e, self.restart_delay_s)
