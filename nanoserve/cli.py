@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.config import DTYPES, LOAD_FORMATS, EngineConfig
+from nanoserve.protocol import DEFAULT_WORKER_TIMEOUT_S
 
 logger = logging.getLogger("nanoserve")
 
@@ -104,6 +105,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_http_flags(parser: argparse.ArgumentParser) -> None:
+    from nanoserve.server.state import ServerConfig
+
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
@@ -115,20 +118,27 @@ def _add_http_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("NANOSERVE_API_KEY"),
-        help="require 'Authorization: Bearer <key>' on /v1/* (default: $NANOSERVE_API_KEY)",
+        help="require 'Authorization: Bearer <key>' on every path under /v1 (default: "
+        "$NANOSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat template (as text, never a path)",
     )
     parser.add_argument(
         "--max-waiting-requests",
         type=int,
         default=1024,
-        help="answer 503 with Retry-After when this many requests wait for their first token",
+        help="answer 503 with Retry-After when this many engine requests (prompts x n) wait "
+        "for their first token",
     )
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
-        help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they "
-        "are aborted",
+        help="seconds in-flight requests may take to finish on SIGINT/SIGTERM; then streams "
+        "end with an error frame and [DONE], and the worker gets as long again to exit",
     )
     parser.add_argument(
         "--log-level",
@@ -136,6 +146,36 @@ def _add_http_flags(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error", "critical"],
         help="log level of the server and the worker",
     )
+    _add_timeout_flags(parser, ServerConfig)
+
+
+def _add_timeout_flags(parser: argparse.ArgumentParser, server_config: type) -> None:
+    parser.add_argument(
+        "--max-body-bytes", type=parse_bytes,
+        default=config_default(server_config, "max_body_bytes"),
+        help="largest request body, e.g. 32MiB (413 beyond)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        help="longest prompt text, checked before tokenizing (400 beyond; default: what "
+        "max_model_len tokens of the vocabulary's longest token could hold)",
+    )
+    for flag, field, what in (
+        ("--header-timeout", "header_timeout_s", "a connection's request line and headers"),
+        ("--body-timeout", "body_timeout_s", "a request's body, once its headers are in (408)"),
+        ("--send-timeout", "send_timeout_s", "a client that reads nothing while its send "
+         "buffer is full; then it is disconnected and its requests aborted"),
+    ):  # fmt: skip
+        parser.add_argument(
+            flag, type=float, default=config_default(server_config, field),
+            help=f"seconds allowed for {what}",
+        )  # fmt: skip
+    parser.add_argument(
+        "--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT_S,
+        help="seconds without a heartbeat from the model worker before it is deemed hung: "
+        "in-flight requests end with an error and the worker is killed and restarted",
+    )  # fmt: skip
 
 
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
@@ -273,6 +313,12 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_names=tuple(args.served_model_name or [model]),
             api_key=args.api_key or None,
             max_waiting_requests=args.max_waiting_requests,
+            max_body_bytes=args.max_body_bytes,
+            max_prompt_chars=args.max_prompt_chars,
+            trust_request_chat_template=args.trust_request_chat_template,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            send_timeout_s=args.send_timeout,
         )
         model_dir = check_engine_config(engine_config)
         tokenizer = load_tokenizer(model_dir, chat_template=args.chat_template)
@@ -303,19 +349,24 @@ def _run_server(args: argparse.Namespace, engine_config: EngineConfig, server_co
 
     from nanoserve.server.app import create_app
     from nanoserve.server.engine_client import ZmqEngineClient
+    from nanoserve.server.http_server import SHUTDOWN_FLUSH_S, GracefulServer, timed_h11_protocol
 
-    client = ZmqEngineClient(engine_config, log_level=args.log_level)
-    app = create_app(server_config, client, tokenizer, shutdown_timeout_s=args.shutdown_timeout)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-            lifespan="on",
-        )
+    client = ZmqEngineClient(
+        engine_config, log_level=args.log_level, worker_timeout_s=args.worker_timeout
     )
+    grace_s = args.shutdown_timeout
+    app = create_app(server_config, client, tokenizer, shutdown_timeout_s=grace_s)
+    protocol = timed_h11_protocol(server_config.header_timeout_s, server_config.send_timeout_s)
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http=protocol,
+        timeout_graceful_shutdown=grace_s + SHUTDOWN_FLUSH_S,
+        lifespan="on",
+    )
+    server = GracefulServer(uvicorn_config, on_shutdown=lambda: client.begin_shutdown(grace_s))
     # uvicorn handles SIGINT/SIGTERM (stop intake, grace period, lifespan shutdown), then
     # re-raises the signal under the handlers it found: make those no-ops so we exit with 0.
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -122,7 +122,16 @@ class WorkerFailed(msgspec.Struct, tag="failed", array_like=True):
     traceback: str
 
 
-ToFront = Ready | StepOutputs | RequestFailed | WorkerFailed
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
+    """The worker process is alive: sent at a fixed interval by a thread beside its loop."""
+
+
+# The front restarts a worker it has not heard from (a heartbeat or any other message) for this
+# long; the worker beats several times per timeout (at most once a second).
+DEFAULT_WORKER_TIMEOUT_S = 30.0
+
+
+ToFront = Ready | StepOutputs | RequestFailed | WorkerFailed | Heartbeat
 
 
 class Codec:

@@ -71,24 +71,40 @@ def apply_chat_template(
     """Render `messages` with the chat template and return the prompt's token ids.
 
     Message content may be a string or a list of `{"type": "text", "text": ...}` parts (joined
-    with newlines). Extra keyword arguments reach the template (e.g. `enable_thinking=False`).
+    with newlines). `chat_template` is template text that replaces the tokenizer's (never a file
+    name: files are read by `load_tokenizer` only). Extra keyword arguments reach the template
+    (e.g. `enable_thinking=False`).
     """
-    template = resolve_chat_template(chat_template) if chat_template is not None else None
-    if template is None and not tokenizer.chat_template:
+    text = render_chat_template(
+        tokenizer, messages, add_generation_prompt, chat_template, **template_kwargs
+    )
+    # The template already wrote any BOS/special tokens, so the encoder must not add more.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """The prompt text of `messages` (see `apply_chat_template`), not yet tokenized."""
+    if chat_template is None and not tokenizer.chat_template:
         raise ValueError(
             "this model has no chat template; pass --chat-template with a template string or a "
             ".jinja file, or use /v1/completions with a plain prompt"
         )
-    # Render to text, then encode: `tokenize=True` returns a BatchEncoding in transformers 5.
-    # The template already wrote any BOS/special tokens, so the encoder must not add more.
+    # Render to text (`tokenize=True` returns a BatchEncoding in transformers 5).
     text = tokenizer.apply_chat_template(
         [_normalise_message(m) for m in messages],
-        chat_template=template,
+        chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
         tokenize=False,
         **template_kwargs,
     )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    assert isinstance(text, str)  # one conversation renders to one string
+    return text
 
 
 def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from nanoserve.protocol import (
     AddRequest,
     EngineStats,
     FinishReason,
+    Heartbeat,
     Ready,
     RequestDelta,
     RequestFailed,
@@ -74,6 +75,7 @@ TO_FRONT = [
     StepOutputs(deltas=[], stats=EngineStats()),
     RequestFailed("a", "prompt too long"),
     WorkerFailed("RuntimeError: boom", "Traceback ..."),
+    Heartbeat(),
 ]
 
 

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve import __version__
 from nanoserve.server.api_models import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from nanoserve.server.chat import template_messages
+from nanoserve.server.chat_prompt import check_template_kwargs
 from nanoserve.server.errors import APIError, error_body
-from nanoserve.server.http import json_response, read_json_body
+from nanoserve.server.http import json_response
 from nanoserve.server.metrics import CONTENT_TYPE
+from nanoserve.server.openapi import json_body_schema
+from nanoserve.server.request_body import read_json_body
 from nanoserve.server.state import server_state
-from nanoserve.tokenizer import apply_chat_template
 
 router = APIRouter()
 
@@ -40,7 +40,6 @@ async def prometheus_metrics(request: Request) -> Response:
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
     state = server_state(request)
-    state.check_api_key(request)
     info = state.client.info
     cards = [
         ModelCard(id=name, root=state.config.model, max_model_len=info.max_model_len if info else 0)
@@ -49,38 +48,34 @@ async def models(request: Request) -> Response:
     return json_response(ModelList(data=cards))
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=json_body_schema(TokenizeRequest))
 async def tokenize(request: Request) -> dict[str, Any]:
     state = server_state(request)
-    state.check_api_key(request)
-    body = await read_json_body(request, TokenizeRequest, state.config.max_body_bytes)
-    serving = state.completions
+    body = await read_json_body(request, TokenizeRequest, state.config)
+    serving = state.chat
     serving.check_model(body.model)
     if body.prompt is not None and body.messages is None:
-        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        serving.check_prompt_chars(len(body.prompt), "prompt")
+        tokens = await state.pool.encode(body.prompt, body.add_special_tokens)
     elif body.messages is not None and body.prompt is None:
-        try:
-            tokens = apply_chat_template(
-                state.tokenizer,
-                template_messages(body.messages),
-                add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}),
-            )
-        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
-            raise APIError(f"could not apply the chat template: {e}", 400, "messages") from None
+        tokens = await serving.prompt(
+            body.messages,
+            body.add_generation_prompt,
+            body.chat_template,
+            check_template_kwargs(body.chat_template_kwargs),
+        )
     else:
         raise APIError("give exactly one of prompt or messages", 400, "prompt")
     return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=json_body_schema(DetokenizeRequest))
 async def detokenize(request: Request) -> dict[str, Any]:
     state = server_state(request)
-    state.check_api_key(request)
-    body = await read_json_body(request, DetokenizeRequest, state.config.max_body_bytes)
+    body = await read_json_body(request, DetokenizeRequest, state.config)
     state.completions.check_model(body.model)
     limit = state.completions.num_token_ids
     bad = [t for t in body.tokens if not 0 <= t < limit]
     if bad:
         raise APIError(f"token ids must be in [0, {limit}), got {bad[:5]}", 400, "tokens")
-    return {"prompt": state.tokenizer.decode(body.tokens)}
+    return {"prompt": await state.pool.decode(body.tokens)}

@@ -1,23 +1,39 @@
 """The OpenAI-compatible API's request and response bodies, as pydantic models.
 
-Unknown request fields are ignored (clients send many). Ranges are checked by `SamplingParams`,
-so that the server and the offline `LLM` give the same messages.
+Unknown request fields are ignored (clients send many). Numbers must be finite (`"inf"` and
+`"nan"` strings are refused too). Ranges are checked by `SamplingParams`, so that the server
+and the offline `LLM` give the same messages.
 """
 
 from __future__ import annotations
 
+import reprlib
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 TokenIds = list[StrictInt]
+Prompt = str | list[str] | TokenIds | list[TokenIds]
+# OpenAI's limit on the inputs of one request; --max-waiting-requests may allow fewer.
+MAX_PROMPTS = 2048
+_TEXTS: TypeAdapter[list[str]] = TypeAdapter(list[str])
+_TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(TokenIds)
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 
 
 class OpenAIModel(BaseModel):
     """Base of every request body: unknown fields are accepted and dropped."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -54,11 +70,53 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: Prompt
     suffix: str | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+
+    @field_validator("prompt", mode="plain", json_schema_input_type=Prompt)
+    @classmethod
+    def _prompt_shape(cls, value: object) -> Prompt:
+        return validate_prompt(value)
+
+
+def validate_prompt(value: object) -> Prompt:
+    """A prompt in one of its four shapes, chosen by its first element.
+
+    pydantic's union would try every shape against every element (millions of errors for a
+    long list of token ids); here each element is checked once, against the one shape.
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"prompt must be {_PROMPT_SHAPES}")
+    if not value:
+        return value
+    first = value[0]
+    if not isinstance(first, (str, list)):
+        return _checked(_TOKEN_IDS, value, "prompt", "a token id (an integer)")
+    if len(value) > MAX_PROMPTS:
+        raise ValueError(f"a request takes at most {MAX_PROMPTS} prompts, got {len(value)}")
+    if isinstance(first, str):
+        return _checked(_TEXTS, value, "prompt", "a string like prompt[0]")
+    prompts = []
+    for index, item in enumerate(value):
+        if not isinstance(item, list):
+            raise ValueError(f"prompt[{index}] must be a list of token ids like prompt[0]")
+        prompts.append(_checked(_TOKEN_IDS, item, f"prompt[{index}]", "a token id (an integer)"))
+    return prompts
+
+
+def _checked(adapter: TypeAdapter, value: list, name: str, expected: str) -> Any:
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = "".join(f"[{part}]" for part in error["loc"])
+        got = reprlib.repr(error["input"])
+        raise ValueError(f"{name}{where} must be {expected}, got {got}") from None
 
 
 class ContentPart(OpenAIModel):
@@ -86,6 +144,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # template text; only with --trust-request-chat-template
     reasoning_effort: str | None = None
     add_generation_prompt: bool = True
 
@@ -99,6 +158,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # template text; only with --trust-request-chat-template
 
 
 class DetokenizeRequest(OpenAIModel):

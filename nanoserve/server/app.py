@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
 from nanoserve import __version__
 from nanoserve.server import admin, chat, completions
+from nanoserve.server.auth import ApiKeyMiddleware
 from nanoserve.server.engine_client import EngineClient
 from nanoserve.server.errors import install_error_handlers
 from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.request_body import ClientDisconnected
 from nanoserve.server.state import ServerConfig, ServerState
+from nanoserve.server.tokenizer_pool import TokenizerPool
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -27,18 +31,20 @@ def create_app(
     tokenizer,
     shutdown_timeout_s: float = 5.0,
 ) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine client and stops it."""
+    """The FastAPI app; its lifespan starts the engine client and stops it.
+
+    `shutdown_timeout_s` is how long the worker gets to exit once the server stops.
+    """
     metrics = ServerMetrics(config.served_model_names[0])
-    serving_args = (
-        client, tokenizer, metrics, list(config.served_model_names), config.max_waiting_requests
-    )  # fmt: skip
+    pool = TokenizerPool(tokenizer)
     state = ServerState(
         config=config,
         client=client,
         tokenizer=tokenizer,
+        pool=pool,
         metrics=metrics,
-        completions=completions.CompletionServing(*serving_args),
-        chat=chat.ChatServing(*serving_args),
+        completions=completions.CompletionServing(client, pool, metrics, config),
+        chat=chat.ChatServing(client, pool, metrics, config),
     )
 
     @asynccontextmanager
@@ -49,10 +55,19 @@ def create_app(
             yield
         finally:
             await client.shutdown(shutdown_timeout_s)
+            pool.shutdown()
 
     app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+        metrics.http_requests_client_disconnected.inc()
+        return Response(status_code=499)  # nobody is listening any more
+
     for module in (admin, completions, chat):
         app.include_router(module.router)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

@@ -6,7 +6,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -23,25 +22,31 @@ from nanoserve.server.api_models import (
     ChatTokenLogprob,
     TopLogprob,
 )
+from nanoserve.server.chat_prompt import (
+    check_template_kwargs,
+    num_content_chars,
+    render_chat_prompt,
+    request_chat_template,
+)
 from nanoserve.server.errors import APIError
-from nanoserve.server.http import read_json_body, respond
+from nanoserve.server.http import respond
+from nanoserve.server.openapi import json_body_schema
+from nanoserve.server.request_body import read_json_body
 from nanoserve.server.request_run import RequestRun
 from nanoserve.server.serving import OpenAIServing, response_id
 from nanoserve.server.state import server_state
-from nanoserve.tokenizer import apply_chat_template
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body_schema(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
     state = server_state(request)
-    state.check_api_key(request)
-    body = await read_json_body(request, ChatCompletionRequest, state.config.max_body_bytes)
+    body = await read_json_body(request, ChatCompletionRequest, state.config)
     serving = state.chat
-    run = serving.start(body)
+    run = await serving.start(body)
     return await respond(
         request,
         run,
@@ -51,21 +56,9 @@ async def create_chat_completion(request: Request) -> Response:
     )
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them: plain dicts, content never missing."""
-    rendered = []
-    for message in messages:
-        item = message.model_dump(exclude_none=True)
-        if isinstance(message.content, list):
-            item["content"] = [p.model_dump(exclude_none=True) for p in message.content]
-        item.setdefault("content", "")
-        rendered.append(item)
-    return rendered
-
-
 def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
     """Extra template variables: chat_template_kwargs, and reasoning_effort mapped onto them."""
-    kwargs = dict(request.chat_template_kwargs or {})
+    kwargs = check_template_kwargs(request.chat_template_kwargs)
     effort = request.reasoning_effort
     if effort is not None:
         if effort not in REASONING_EFFORTS:
@@ -84,24 +77,33 @@ def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
 class ChatServing(OpenAIServing):
     """Builds chat runs, responses and stream chunks."""
 
-    def prompt(self, request: ChatCompletionRequest) -> list[int]:
-        try:
-            prompt = apply_chat_template(
-                self.tokenizer,
-                template_messages(request.messages),
-                add_generation_prompt=request.add_generation_prompt,
-                **template_kwargs(request),
-            )
-        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
-            raise APIError(f"could not apply the chat template: {e}", 400, "messages") from None
+    async def prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        chat_template: str | None,
+        kwargs: dict[str, Any],
+    ) -> list[int]:
+        """The messages rendered with the chat template, as token ids (checked, capped)."""
+        template = request_chat_template(chat_template, self.config.trust_request_chat_template)
+        self.check_prompt_chars(num_content_chars(messages), "messages")
+        prompt = await render_chat_prompt(
+            self.pool, messages, add_generation_prompt, template, kwargs, self.max_prompt_chars
+        )
         self.check_prompt(prompt, "messages")
         return prompt
 
-    def start(self, request: ChatCompletionRequest) -> RequestRun:
+    async def start(self, request: ChatCompletionRequest) -> RequestRun:
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", 400, "top_logprobs")
-        prompt = self.prompt(request)
+        self.check_capacity(request.n, "n")  # before the template renders anything
+        prompt = await self.prompt(
+            request.messages,
+            request.add_generation_prompt,
+            request.chat_template,
+            template_kwargs(request),
+        )
         param, max_tokens = "max_completion_tokens", request.max_completion_tokens
         if max_tokens is None:
             param, max_tokens = "max_tokens", request.max_tokens

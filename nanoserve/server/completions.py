@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -17,7 +18,9 @@ from nanoserve.server.api_models import (
     CompletionResponse,
 )
 from nanoserve.server.errors import APIError
-from nanoserve.server.http import read_json_body, respond
+from nanoserve.server.http import respond
+from nanoserve.server.openapi import json_body_schema
+from nanoserve.server.request_body import read_json_body
 from nanoserve.server.request_run import RequestRun
 from nanoserve.server.serving import OpenAIServing, response_id
 from nanoserve.server.state import server_state
@@ -32,13 +35,12 @@ FIM_TOKENS = (
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body_schema(CompletionRequest))
 async def create_completion(request: Request) -> Response:
     state = server_state(request)
-    state.check_api_key(request)
-    body = await read_json_body(request, CompletionRequest, state.config.max_body_bytes)
+    body = await read_json_body(request, CompletionRequest, state.config)
     serving = state.completions
-    run, texts = serving.start(body)
+    run, texts = await serving.start(body)
     return await respond(
         request,
         run,
@@ -51,10 +53,13 @@ async def create_completion(request: Request) -> Response:
 class CompletionServing(OpenAIServing):
     """Builds completion runs, responses and stream chunks."""
 
-    def start(self, request: CompletionRequest) -> tuple[RequestRun, list[str]]:
+    async def start(self, request: CompletionRequest) -> tuple[RequestRun, list[str]]:
         """Validate and start the request; also returns each prompt's text (for echo)."""
         self.check_model(request.model)
-        prompts, texts = self.prompts(request)
+        items = self.prompt_items(request)
+        # Before any tokenizing: every choice of every prompt must fit in the waiting queue.
+        self.check_capacity(len(items) * request.n, "n" if request.n > 1 else "prompt")
+        prompts, texts = await self.prompts(request, items)
         params = [self._params(request, prompt) for prompt in prompts]
         return self.start_run(prompts, params, "cmpl"), texts
 
@@ -65,45 +70,60 @@ class CompletionServing(OpenAIServing):
             max_tokens = self.max_model_len - len(prompt)
         return self.make_params(request, max_tokens, request.logprobs)
 
-    def prompts(self, request: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-        """Token ids and text of each prompt (text is used by echo)."""
+    @staticmethod
+    def prompt_items(request: CompletionRequest) -> list[str | list[int]]:
+        """The request's prompts, each a string or a list of token ids."""
         prompt: list = request.prompt if isinstance(request.prompt, list) else [request.prompt]
         if prompt and isinstance(prompt[0], int):
             prompt = [prompt]  # one prompt of token ids
         if not prompt:
             raise APIError("prompt is empty; give a string or token ids", 400, "prompt")
+        return prompt
+
+    async def prompts(
+        self, request: CompletionRequest, items: list[str | list[int]]
+    ) -> tuple[list[list[int]], list[str]]:
+        """Token ids of each prompt, and its text when echo asks for it."""
         token_ids, texts = [], []
-        for item in prompt:
+        for item in items:
             if isinstance(item, str):
+                self.check_prompt_chars(len(item) + len(request.suffix or ""), "prompt")
                 # With a suffix the FIM tokens frame the prompt; no BOS/special tokens inside.
                 add_special = request.suffix is None
-                ids = self.tokenizer.encode(item, add_special_tokens=add_special) if item else []
-                text: str | None = item
+                ids = await self.pool.encode(item, add_special) if item else []
             else:
-                ids, text = list(item), None
+                ids = item
             if request.suffix is not None:
-                ids = self._fill_in_the_middle(ids, request.suffix)
+                ids = await self._fill_in_the_middle(ids, request.suffix)
             self.check_prompt(ids, "prompt")
             token_ids.append(ids)
-            texts.append(text if text is not None else self.tokenizer.decode(ids))
+            if not request.echo:
+                texts.append("")
+            else:
+                texts.append(item if isinstance(item, str) else await self.pool.decode(ids))
         return token_ids, texts
 
-    def _fill_in_the_middle(self, prefix_ids: list[int], suffix: str) -> list[int]:
-        """Prefix-suffix-middle order: <prefix> prompt <suffix> suffix <middle>."""
+    @functools.cached_property
+    def fim_token_ids(self) -> tuple[int, int, int] | None:
+        """Ids of the tokenizer's fill-in-the-middle tokens (prefix, suffix, middle), if any."""
         vocab = self.tokenizer.get_vocab()
-        for prefix_token, suffix_token, middle_token in FIM_TOKENS:
-            if all(t in vocab for t in (prefix_token, suffix_token, middle_token)):
-                suffix_ids = self.tokenizer.encode(suffix, add_special_tokens=False)
-                return [
-                    vocab[prefix_token], *prefix_ids, vocab[suffix_token], *suffix_ids,
-                    vocab[middle_token],
-                ]  # fmt: skip
-        raise APIError(
-            "suffix (fill-in-the-middle) is not supported by this model: its tokenizer has no "
-            "FIM tokens such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>",
-            400,
-            "suffix",
-        )
+        for tokens in FIM_TOKENS:
+            if all(t in vocab for t in tokens):
+                return vocab[tokens[0]], vocab[tokens[1]], vocab[tokens[2]]
+        return None
+
+    async def _fill_in_the_middle(self, prefix_ids: list[int], suffix: str) -> list[int]:
+        """Prefix-suffix-middle order: <prefix> prompt <suffix> suffix <middle>."""
+        if self.fim_token_ids is None:
+            raise APIError(
+                "suffix (fill-in-the-middle) is not supported by this model: its tokenizer has "
+                "no FIM tokens such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>",
+                400,
+                "suffix",
+            )
+        prefix_id, suffix_id, middle_id = self.fim_token_ids
+        suffix_ids = await self.pool.encode(suffix, add_special_tokens=False)
+        return [prefix_id, *prefix_ids, suffix_id, *suffix_ids, middle_id]
 
     async def response(
         self, request: CompletionRequest, run: RequestRun, texts: list[str]

@@ -17,17 +17,19 @@ import msgspec
 
 from nanoserve.config import EngineConfig
 from nanoserve.protocol import (
+    DEFAULT_WORKER_TIMEOUT_S,
     AbortRequests,
     AddRequest,
     EngineStats,
+    Heartbeat,
     Ready,
-    RequestDelta,
     RequestFailed,
     Shutdown,
     StepOutputs,
     WorkerFailed,
 )
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.server.request_stream import RequestStream
 from nanoserve.worker.process import WorkerProcess
 from nanoserve.worker.transport import FrontSockets, IpcDirectory
 
@@ -48,34 +50,6 @@ class RequestRejectedError(ValueError):
     """The engine refused one request (the front's validation should have caught it)."""
 
 
-class RequestStream:
-    """Deltas of one API request's engine requests (its n choices), in arrival order.
-
-    `get` raises the engine's error (e.g. EngineDeadError) if it fails mid-way.
-    """
-
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
-
-    def put(self, item: RequestDelta | Exception) -> None:
-        self._queue.put_nowait(item)
-
-    async def get(self) -> RequestDelta:
-        item = await self._queue.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def get_nowait(self) -> RequestDelta | None:
-        """The next delta if one is already queued (to handle bursts together), else None."""
-        if self._queue.empty():
-            return None
-        item = self._queue.get_nowait()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-
 class EngineClient:
     """Routes engine outputs to request streams. Subclasses move the messages."""
 
@@ -84,12 +58,19 @@ class EngineClient:
         self.stats = EngineStats()
         self.on_stats: Callable[[EngineStats], None] | None = None
         self._is_ready = False
+        self._is_accepting = True  # False once the server is shutting down
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream
         self._unstarted_ids: set[str] = set()  # added, no token yet (waiting or in prefill)
+        self._shutdown_timer: asyncio.TimerHandle | None = None
 
     @property
     def is_ready(self) -> bool:
-        return self._is_ready
+        """The worker is serving and the server takes new requests."""
+        return self._is_ready and self._is_accepting
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._is_accepting
 
     @property
     def num_unstarted(self) -> int:
@@ -122,6 +103,24 @@ class EngineClient:
         if not self._send(message):
             self._remove(request_id)
             raise EngineDeadError("the model worker is not reachable")
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Take no new requests; those in flight get `grace_s` seconds to finish, then end.
+
+        At the deadline every unfinished stream gets EngineDeadError ("the server is shutting
+        down": an error frame and `data: [DONE]` for a stream, a 503 otherwise) and the worker
+        aborts the requests, so that the HTTP server's grace period ends with complete answers.
+        """
+        self._is_accepting = False
+        self._shutdown_timer = asyncio.get_running_loop().call_later(
+            grace_s, self._end_in_flight, "the server is shutting down"
+        )
+
+    def _end_in_flight(self, reason: str) -> None:
+        request_ids = list(self._streams)
+        self._fail_all(EngineDeadError(reason))
+        if request_ids and self._is_ready:
+            self._send(AbortRequests(request_ids))
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests in the engine (frees their KV blocks); late deltas are dropped."""
@@ -166,12 +165,21 @@ class ZmqEngineClient(EngineClient):
     """The engine in a worker process, over ZMQ; restarts the worker when it dies."""
 
     def __init__(
-        self, config: EngineConfig, log_level: str = "info", restart_delay_s: float = 1.0
+        self,
+        config: EngineConfig,
+        log_level: str = "info",
+        restart_delay_s: float = 1.0,
+        worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
     ) -> None:
         super().__init__()
+        if not worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0 seconds, got {worker_timeout_s}")
         self.config = config
         self.log_level = log_level
         self.restart_delay_s = restart_delay_s
+        self.worker_timeout_s = worker_timeout_s
+        # Several beats per timeout, so that one late beat is no alarm.
+        self.heartbeat_interval_s = min(1.0, worker_timeout_s / 4)
         self._ipc = IpcDirectory()
         self._generation = 0
         self._sockets: FrontSockets | None = None
@@ -194,7 +202,9 @@ class ZmqEngineClient(EngineClient):
         addresses = self._ipc.addresses(self._generation)
         self._sockets = FrontSockets(addresses)
         start = time.perf_counter()
-        self._worker = WorkerProcess(self.config, addresses, self.log_level)
+        self._worker = WorkerProcess(
+            self.config, addresses, self.log_level, self.heartbeat_interval_s
+        )
         while True:
             message = await self._sockets.recv(POLL_S)
             if message is None:
@@ -234,8 +244,8 @@ class ZmqEngineClient(EngineClient):
             if self._is_closing:
                 return
             self._is_ready = False
-            logger.error("model worker died (%s); failing in-flight requests, restarting", reason)
-            self._fail_all(EngineDeadError(f"the model worker died ({reason})"))
+            logger.error("model worker failed (%s); failing in-flight requests, restarting", reason)
+            self._fail_all(EngineDeadError(f"the model worker failed ({reason})"))
             self._stop_worker_now()
             self.stats = EngineStats()
             if self.on_stats is not None:
@@ -250,17 +260,27 @@ class ZmqEngineClient(EngineClient):
                     await asyncio.sleep(self.restart_delay_s)
 
     async def _receive_until_worker_dies(self) -> str:
+        """Route the worker's messages until it exits, fails, or is silent for too long."""
         assert self._sockets is not None and self._worker is not None
+        last_heard = time.monotonic()
         while True:
             message = await self._sockets.recv(POLL_S)
             if message is None:
                 if not self._worker.is_alive():
                     return f"exit code {self._worker.returncode}"
+                silent_s = time.monotonic() - last_heard
+                if silent_s > self.worker_timeout_s:
+                    return (
+                        f"no heartbeat for {silent_s:.1f} s (--worker-timeout "
+                        f"{self.worker_timeout_s:g}): it is hung or stopped"
+                    )
                 continue
+            last_heard = time.monotonic()
             if isinstance(message, WorkerFailed):
                 logger.error("worker error: %s\n%s", message.message, message.traceback)
                 return message.message
-            self._on_message(message)
+            if not isinstance(message, Heartbeat):
+                self._on_message(message)
 
     def _send(self, message: msgspec.Struct) -> bool:
         return self._sockets is not None and self._sockets.send(message)
@@ -277,6 +297,8 @@ class ZmqEngineClient(EngineClient):
         """Tell the worker to exit, wait for it (kill it after `timeout_s`), clean up sockets."""
         self._is_closing = True
         self._is_ready = False
+        if self._shutdown_timer is not None:
+            self._shutdown_timer.cancel()
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -7,6 +7,7 @@ in the server and is logged with its traceback.
 from __future__ import annotations
 
 import logging
+import reprlib
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -76,6 +77,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     message = first.get("msg", "invalid value")
     if first.get("type") == "missing":
         message = f"{param} is required"
+    elif first.get("type") == "value_error" and "error" in first.get("ctx", {}):
+        message = str(first["ctx"]["error"])  # our validators' messages name the field
     elif param is not None:
         message = f"{param}: {message}"
         if "input" in first and first.get("type") != "extra_forbidden":
@@ -83,9 +86,9 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(message, 400, param)
 
 
-def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _short_repr(value: Any) -> str:
+    """A short repr: a few levels and items deep (a client's value may be nested 900 deep)."""
+    return reprlib.repr(value)
 
 
 def install_error_handlers(app: FastAPI) -> None:

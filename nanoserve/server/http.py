@@ -1,33 +1,28 @@
-"""HTTP plumbing shared by the routes: reading bodies, watching for disconnects, responding.
+"""HTTP plumbing shared by the routes: watching for disconnects and responding.
 
-Bodies are read and parsed here (size limit, JSON, pydantic) so that every client mistake is a
-400 in OpenAI's shape. A client that goes away — streaming or not — has its engine requests
-aborted at once and is counted in `vllm:http_requests_client_disconnected_total`.
+(Bodies are read in `request_body.py`.) A client that goes away — streaming or not — has its
+engine requests aborted at once and is counted in `vllm:http_requests_client_disconnected_total`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from nanoserve.server.engine_client import EngineDeadError, RequestRejectedError
-from nanoserve.server.errors import APIError, validation_error
+from nanoserve.server.errors import APIError
+from nanoserve.server.request_body import ClientDisconnected
 from nanoserve.server.request_run import RequestRun, sse_stream
 from nanoserve.server.serving import service_unavailable
 from nanoserve.server.state import server_state
 
 T = TypeVar("T", bound=BaseModel)
-
-
-class ClientDisconnected(Exception):
-    """The client closed its connection before the response was ready."""
 
 
 class EventStreamResponse(StreamingResponse):
@@ -77,32 +72,6 @@ async def wait_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.done() and not task.cancelled():
         return task.result()
     raise ClientDisconnected
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
-
-
-async def read_json_body(request: Request, model: type[T], max_bytes: int) -> T:
-    """Read, size-check, parse and validate a JSON object body."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > max_bytes:
-        raise APIError(f"the request body is {length} bytes; the limit is {max_bytes}", 413)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise APIError(f"the request body is over the limit of {max_bytes} bytes", 413)
-    try:
-        data = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}", 400) from None
-    if not isinstance(data, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(data).__name__}", 400)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error([dict(error) for error in e.errors()]) from None
 
 
 def json_response(model: BaseModel) -> Response:

@@ -3,20 +3,28 @@ sampling fields, and starting a `RequestRun` (completions.py and chat.py build o
 
 from __future__ import annotations
 
+import re
+import reprlib
 import uuid
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
 from nanoserve.output_processor import TOKEN_TEXT_CACHE_SIZE, OutputProcessor
+from nanoserve.protocol import Ready
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.api_models import SamplingFields
 from nanoserve.server.engine_client import EngineClient, EngineDeadError
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.request_run import RequestRun
+from nanoserve.server.state import ServerConfig
+from nanoserve.server.tokenizer_pool import TokenizerPool
 
 MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,12}")
 RETRY_AFTER_S = "1"
 # Request fields that map one to one onto SamplingParams when they are set.
 SAMPLING_FIELDS = (
@@ -36,18 +44,21 @@ class OpenAIServing:
     def __init__(
         self,
         client: EngineClient,
-        tokenizer,
+        pool: TokenizerPool,
         metrics: ServerMetrics,
-        served_model_names: list[str],
-        max_waiting_requests: int | None = None,
+        config: ServerConfig,
     ) -> None:
         self.client = client
-        self.tokenizer = tokenizer
+        self.pool = pool
+        self.tokenizer = pool.tokenizer
         self.metrics = metrics
-        self.served_model_names = served_model_names
-        self.max_waiting_requests = max_waiting_requests
+        self.config = config
+        self.served_model_names = list(config.served_model_names)
+        self.max_waiting_requests = config.max_waiting_requests
+        # No token is longer than this (vocab strings are at least as long as their text).
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
         self.token_text: Callable[[int], str] = lru_cache(maxsize=TOKEN_TEXT_CACHE_SIZE)(
-            lambda token_id: tokenizer.decode([token_id])
+            lambda token_id: pool.decode_now([token_id])
         )
 
     @property
@@ -55,15 +66,27 @@ class OpenAIServing:
         return self.served_model_names[0]
 
     @property
+    def engine_info(self) -> Ready:
+        """What the worker said when it became ready (503 until the first worker has)."""
+        if self.client.info is None:
+            raise service_unavailable("the model worker has not started yet; retry shortly")
+        return self.client.info
+
+    @property
     def max_model_len(self) -> int:
-        assert self.client.info is not None
-        return self.client.info.max_model_len
+        return self.engine_info.max_model_len
 
     @property
     def num_token_ids(self) -> int:
         """Token ids a prompt may use: known to the tokenizer and inside the model's vocab."""
-        assert self.client.info is not None
-        return min(self.client.info.vocab_size, len(self.tokenizer))
+        return min(self.engine_info.vocab_size, len(self.tokenizer))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Longest prompt text taken: --max-prompt-chars, or what could fit in max_model_len."""
+        if self.config.max_prompt_chars is not None:
+            return self.config.max_prompt_chars
+        return self.max_model_len * self.max_token_chars
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
@@ -74,27 +97,43 @@ class OpenAIServing:
                 "model",
             )
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, num_requests: int = 1, param: str | None = None) -> None:
+        """503 unless `num_requests` engine requests (prompts × n) fit in the waiting queue."""
         if not self.client.is_ready:
-            raise service_unavailable(
-                "the model worker is not ready (starting or restarting); retry shortly"
-            )
+            reason = "starting or restarting" if self.client.is_accepting else "shutting down"
+            raise service_unavailable(f"the model worker is not ready ({reason}); retry shortly")
         limit = self.max_waiting_requests
-        if limit is not None and self.client.num_unstarted >= limit:
+        if limit is None:
+            return
+        if num_requests > limit:
+            raise APIError(
+                f"this request needs {num_requests} engine requests (prompts × n), more than "
+                f"the waiting queue holds (--max-waiting-requests {limit}); send fewer prompts "
+                "or choices per request",
+                400,
+                param,
+            )
+        if self.client.num_unstarted + num_requests > limit:
             raise service_unavailable(
                 f"the server is busy: {self.client.num_unstarted} requests are waiting "
                 f"(--max-waiting-requests {limit}); retry shortly"
             )
 
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """400 before tokenizing a text that cannot fit (or is over --max-prompt-chars)."""
+        limit = self.max_prompt_chars
+        if num_chars > limit:
+            raise APIError(
+                f"the {param} is {num_chars} characters long; this server takes at most {limit} "
+                f"characters per prompt (--max-prompt-chars; by default what "
+                f"{self.max_model_len} tokens of at most {self.max_token_chars} characters hold)",
+                400,
+                param,
+            )
+
     def check_prompt(self, prompt_token_ids: list[int], param: str) -> None:
         if not prompt_token_ids:
             raise APIError(f"{param} is empty; give at least one token of input", 400, param)
-        limit = self.num_token_ids
-        bad = [t for t in prompt_token_ids if not 0 <= t < limit]
-        if bad:
-            raise APIError(
-                f"token ids must be in [0, {limit}), got {bad[:5]} (out of vocabulary)", 400, param
-            )
         num_prompt = len(prompt_token_ids)
         if num_prompt >= self.max_model_len:
             raise APIError(
@@ -103,6 +142,12 @@ class OpenAIServing:
                 "input (at least one token must be left for the output).",
                 400,
                 param,
+            )
+        limit = self.num_token_ids
+        bad = [t for t in prompt_token_ids if not 0 <= t < limit]
+        if bad:
+            raise APIError(
+                f"token ids must be in [0, {limit}), got {bad[:5]} (out of vocabulary)", 400, param
             )
 
     def check_max_tokens(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
@@ -127,7 +172,9 @@ class OpenAIServing:
             if getattr(request, name) is not None
         }
         if request.stop is not None:
-            values["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+            values["stop"] = _stop_strings(request.stop)
+        if request.stop_token_ids is not None:  # looked up per token in the worker: no repeats
+            values["stop_token_ids"] = sorted(set(request.stop_token_ids))
         if request.logit_bias is not None:
             values["logit_bias"] = _logit_bias(request.logit_bias)
         if request.seed is not None:
@@ -150,8 +197,9 @@ class OpenAIServing:
     def start_run(
         self, prompts: list[list[int]], params: list[SamplingParams], id_prefix: str
     ) -> RequestRun:
-        """Check capacity, then add one engine request per (prompt, choice)."""
-        self.check_capacity()
+        """Check capacity for every choice of every prompt, then add them to the engine."""
+        num_choices = [p.n for p in params]
+        self.check_capacity(sum(num_choices), "n" if max(num_choices) > 1 else "prompt")
         processor = OutputProcessor(self.tokenizer, self.token_text)
         run = RequestRun(self.client, self.metrics, processor)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -164,13 +212,34 @@ class OpenAIServing:
         return run
 
 
-def _logit_bias(logit_bias: dict[str, float]) -> dict[int, float]:
-    try:
-        return {int(k): v for k, v in logit_bias.items()}
-    except ValueError:
+def _stop_strings(stop: str | list[str]) -> list[str]:
+    """Stop strings are searched on the event loop after every token: a few, and short."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP_STRINGS:
         raise APIError(
-            "logit_bias keys must be token ids (integers as strings)", 400, "logit_bias"
-        ) from None
+            f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", 400, "stop"
+        )
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise APIError(
+            f"stop strings may be at most {MAX_STOP_CHARS} characters, got one of {longest}",
+            400,
+            "stop",
+        )
+    return stops
+
+
+def _logit_bias(logit_bias: dict[str, float]) -> dict[int, float]:
+    """Keys are token ids in ASCII digits only (int() would also take " 1 ", "1_0", "١")."""
+    bad = [key for key in logit_bias if not _TOKEN_ID_KEY.fullmatch(key)]
+    if bad:
+        raise APIError(
+            f'logit_bias keys must be token ids written in ASCII digits, like "42"; got '
+            f"{reprlib.repr(bad[0])}",
+            400,
+            "logit_bias",
+        )
+    return {int(k): v for k, v in logit_bias.items()}
 
 
 def response_id(run: RequestRun) -> str:

@@ -2,38 +2,48 @@
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fastapi import Request
-
-from nanoserve.server.engine_client import EngineClient
-from nanoserve.server.errors import APIError
-from nanoserve.server.metrics import ServerMetrics
-
-if TYPE_CHECKING:  # the endpoint modules import this one
+if TYPE_CHECKING:  # light to import: the command line reads ServerConfig's defaults
+    from fastapi import Request
     from transformers import PreTrainedTokenizerBase
 
     from nanoserve.server.chat import ChatServing
     from nanoserve.server.completions import CompletionServing
+    from nanoserve.server.engine_client import EngineClient
+    from nanoserve.server.metrics import ServerMetrics
+    from nanoserve.server.tokenizer_pool import TokenizerPool
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """What the HTTP front needs beyond the engine: names, limits, the API key."""
+    """What the HTTP front needs beyond the engine: names, limits, timeouts, the API key."""
 
     model: str  # the checkpoint path or hub id, shown as `root` in /v1/models
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     max_waiting_requests: int | None = None
     max_body_bytes: int = 32 * 1024 * 1024
+    # None: max_model_len × the longest token's characters (no longer prompt can fit).
+    max_prompt_chars: int | None = None
+    trust_request_chat_template: bool = False
+    header_timeout_s: float = 30.0  # a connection's request line and headers
+    body_timeout_s: float = 60.0  # a request's whole body, once its headers are in
+    send_timeout_s: float = 60.0  # a client that reads nothing while its send buffer is full
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("served_model_names must name at least one model")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be ≥ 1, got {self.max_waiting_requests}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be ≥ 1, got {self.max_body_bytes}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be ≥ 1, got {self.max_prompt_chars}")
+        for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
 
 @dataclass
@@ -43,24 +53,10 @@ class ServerState:
     config: ServerConfig
     client: EngineClient
     tokenizer: PreTrainedTokenizerBase
+    pool: TokenizerPool
     metrics: ServerMetrics
     completions: CompletionServing
     chat: ChatServing
-
-    def check_api_key(self, request: Request) -> None:
-        """401 unless the request carries `Authorization: Bearer <the key>` (when one is set)."""
-        if self.config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        is_valid = scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.config.api_key.encode()
-        )
-        if not is_valid:
-            raise APIError(
-                "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
 
 
 def server_state(request: Request) -> ServerState:

@@ -29,11 +29,13 @@ from nanoserve.protocol import (
     StepOutputs,
     WorkerFailed,
 )
+from nanoserve.worker.heartbeat import HeartbeatThread
 from nanoserve.worker.transport import WorkerAddresses, WorkerSockets
 
 logger = logging.getLogger("nanoserve.worker")
 
 IDLE_POLL_S = 0.5  # how long an idle worker blocks on its socket before checking its parent
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 
 
 def serve_engine(
@@ -100,12 +102,18 @@ def worker_environment() -> dict[str, str]:
     return env
 
 
-def run_worker(config: EngineConfig, addresses: WorkerAddresses, parent_pid: int) -> int:
+def run_worker(
+    config: EngineConfig,
+    addresses: WorkerAddresses,
+    parent_pid: int,
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+) -> int:
     """Body of the worker process; returns its exit code."""
     from nanoserve.engine.engine import Engine  # heavy import, only in the worker
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
     sockets = WorkerSockets(addresses)
+    heartbeat = HeartbeatThread(sockets.context, addresses.to_front, heartbeat_interval_s)
     try:
         engine = Engine(config)
         started = time.perf_counter()
@@ -123,6 +131,7 @@ def run_worker(config: EngineConfig, addresses: WorkerAddresses, parent_pid: int
                 warmup_time_s=time.perf_counter() - started,
             )
         )
+        heartbeat.start()
         serve_engine(engine, sockets.recv, sockets.send, lambda: os.getppid() != parent_pid)
         return 0
     except Exception as e:
@@ -131,6 +140,7 @@ def run_worker(config: EngineConfig, addresses: WorkerAddresses, parent_pid: int
         sockets.send(WorkerFailed(message=message, traceback=traceback.format_exc()))
         return 1
     finally:
+        heartbeat.stop()
         sockets.close()
 
 
@@ -138,7 +148,11 @@ class WorkerProcess:
     """The front's handle on one worker process."""
 
     def __init__(
-        self, config: EngineConfig, addresses: WorkerAddresses, log_level: str = "info"
+        self,
+        config: EngineConfig,
+        addresses: WorkerAddresses,
+        log_level: str = "info",
+        heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
     ) -> None:
         command = [
             sys.executable,
@@ -152,6 +166,8 @@ class WorkerProcess:
             str(os.getpid()),
             "--log-level",
             log_level,
+            "--heartbeat-interval",
+            str(heartbeat_interval_s),
             "--config",
             msgspec.json.encode(config).decode(),
         ]
@@ -186,13 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--to-front", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL_S)
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s worker: %(message)s"
     )
     config = msgspec.json.decode(args.config, type=EngineConfig)
-    return run_worker(config, WorkerAddresses(args.to_worker, args.to_front), args.parent_pid)
+    addresses = WorkerAddresses(args.to_worker, args.to_front)
+    return run_worker(config, addresses, args.parent_pid, args.heartbeat_interval)
 
 
 if __name__ == "__main__":

@@ -83,11 +83,12 @@ class WorkerSockets:
     """The worker's end (blocking): receive ToWorker, send ToFront."""
 
     def __init__(self, addresses: WorkerAddresses) -> None:
-        self._context = zmq.Context()
+        self.context = zmq.Context()  # also for the heartbeat thread's socket
+        self.addresses = addresses
         self._codec = worker_codec()
-        self._pull = self._context.socket(zmq.PULL)
+        self._pull = self.context.socket(zmq.PULL)
         self._pull.connect(addresses.to_worker)
-        self._push = self._context.socket(zmq.PUSH)
+        self._push = self.context.socket(zmq.PUSH)
         self._push.connect(addresses.to_front)
 
     def send(self, message: msgspec.Struct) -> None:
@@ -111,4 +112,4 @@ class WorkerSockets:
         """Close, giving queued outputs (e.g. WorkerFailed) up to `linger_s` to leave."""
         self._push.close(linger=int(linger_s * 1000))
         self._pull.close(linger=0)
-        self._context.term()
+        self.context.term()
