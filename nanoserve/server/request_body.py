@@ -17,7 +17,9 @@ not a server error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+from collections.abc import Iterator
 from email.message import Message
 from typing import TypeVar
 
@@ -86,27 +88,53 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-def decode_json(body: bytes) -> object:
-    """Strict JSON (UTF-8, no lone surrogates, finite numbers); 400 naming what is wrong.
-
-    The garbage collector is paused while decoding: a body of millions of small arrays would
-    otherwise trigger a full collection every few thousand of them.
-    """
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection inside: building millions of small containers (a body of many
+    arrays) would otherwise run a collection over all of them every few thousand."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _JSON_DECODER.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise APIError(
-            f"the request body is not valid JSON ({e}); it must be UTF-8 JSON with finite "
-            "numbers and no lone UTF-16 surrogates such as \\ud800",
-            400,
-        ) from None
-    except RecursionError:
-        raise APIError("the request body is not valid JSON: it is nested too deeply", 400) from None
+        yield
     finally:
         if was_enabled:
             gc.enable()
+
+
+def parse_json_body(body: bytes, model: type[T]) -> T:
+    """Strict JSON (UTF-8, no lone surrogates, finite numbers) validated as `model`.
+
+    A 400 names what is wrong. The garbage collector is paused meanwhile, and a refused body's
+    objects are freed before it runs again.
+    """
+    with gc_paused():
+        result = _decode_and_validate(body, model)
+    if isinstance(result, APIError):
+        raise result
+    return result
+
+
+def _decode_and_validate(body: bytes, model: type[T]) -> T | APIError:
+    """The model, or the error to answer (returned, not raised: no traceback keeps the body's
+    objects alive)."""
+    try:
+        data = _JSON_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return APIError(
+            f"the request body is not valid JSON ({e}); it must be UTF-8 JSON with finite "
+            "numbers and no lone UTF-16 surrogates such as \\ud800",
+            400,
+        )
+    except RecursionError:
+        return APIError("the request body is not valid JSON: it is nested too deeply", 400)
+    if not isinstance(data, dict):
+        return APIError(f"the request body must be a JSON object, got {type(data).__name__}", 400)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        return validation_error([dict(error) for error in e.errors()])
+    except RecursionError:
+        return APIError("the request body is nested too deeply", 400)
 
 
 async def read_json_body(request: Request, model: type[T], config: ServerConfig) -> T:
@@ -121,12 +149,4 @@ async def read_json_body(request: Request, model: type[T], config: ServerConfig)
             408,
             headers=CLOSE,
         ) from None
-    data = decode_json(body)
-    if not isinstance(data, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(data).__name__}", 400)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error([dict(error) for error in e.errors()]) from None
-    except RecursionError:
-        raise APIError("the request body is nested too deeply", 400) from None
+    return parse_json_body(body, model)

@@ -49,3 +49,24 @@ def cycle_server(
     yield from _serve(
         cycle_model, tmp_path_factory, "--served-model-name", "cycle", "--api-key", API_KEY
     )
+
+
+@pytest.fixture(scope="session")
+def trusting_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """Takes chat templates from requests; short context, so any generation is quick (fuzzing)."""
+    yield from _serve(
+        tiny_model, tmp_path_factory, "--trust-request-chat-template", "--max-model-len", "64"
+    )
+
+
+@pytest.fixture(scope="session")
+def strict_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """One-second header, body and send timeouts."""
+    yield from _serve(
+        tiny_model, tmp_path_factory,
+        "--header-timeout", "1", "--body-timeout", "1", "--send-timeout", "1",
+    )  # fmt: skip
