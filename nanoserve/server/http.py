@@ -29,7 +29,9 @@ class EventStreamResponse(StreamingResponse):
     """An SSE response that always calls `on_close(is_complete)`, however the stream ends.
 
     Starlette cancels the body iterator when the client disconnects; the callback then runs
-    even if the iterator never started.
+    even if the iterator never started. A connection lost while the last frames were already
+    at hand (uvicorn's sends to a lost connection return at once) is noticed too: the stream
+    lets the disconnect watcher run once more before it calls itself complete.
     """
 
     def __init__(self, frames: AsyncIterator[str], on_close: Callable[[bool], None]) -> None:
@@ -38,6 +40,7 @@ class EventStreamResponse(StreamingResponse):
         async def track() -> AsyncIterator[str]:
             async for frame in frames:
                 yield frame
+            await asyncio.sleep(0)  # a pending disconnect cancels the stream here
             self._is_complete = True
 
         super().__init__(

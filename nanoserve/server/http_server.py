@@ -6,9 +6,10 @@ uvicorn times out idle keep-alive connections only. Here, per connection (h11):
   `--header-timeout` seconds of opening (or of its last response); else it is closed. The same
   deadline closes a connection still sending the body of a request that was already answered.
   (Headers are capped at h11's 16 KiB; larger is a 400.)
-- **send timeout**: when the connection's send buffer is full (the kernel's socket buffer and
-  asyncio's 64 KiB above it: the client reads nothing) for `--send-timeout` seconds, the
-  connection is aborted. The request handler sees a disconnect: its engine requests are
+- **send timeout**: when the connection's send buffer stays full (the kernel's socket buffer
+  and asyncio's 64 KiB above it) and the client reads nothing of it for `--send-timeout`
+  seconds, the connection is aborted (a client that reads, however slowly, gets another
+  period). The request handler sees a disconnect: its engine requests are
   aborted, their KV blocks freed, and `vllm:http_requests_client_disconnected_total` counts it.
 - the **body timeout** (`--body-timeout`) is kept by `request_body.read_json_body`: a 408.
 
@@ -44,6 +45,7 @@ class TimedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
+        self._buffered_bytes = 0  # in the send buffer when the send timer was armed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -80,7 +82,7 @@ class TimedH11Protocol(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._send_timer is None:
-            self._send_timer = self.loop.call_later(self.send_timeout_s, self._on_send_timeout)
+            self._arm_send_timer()
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -88,10 +90,19 @@ class TimedH11Protocol(H11Protocol):
             self._send_timer.cancel()
             self._send_timer = None
 
+    def _arm_send_timer(self) -> None:
+        # While writing is paused nothing is added to the buffer: if it shrank, the client read.
+        self._buffered_bytes = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(self.send_timeout_s, self._on_send_timeout)
+
     def _on_send_timeout(self) -> None:
         self._send_timer = None
-        if self.flow.write_paused and not self.transport.is_closing():
-            logger.info(
+        if not self.flow.write_paused or self.transport.is_closing():
+            return
+        if self.transport.get_write_buffer_size() < self._buffered_bytes:
+            self._arm_send_timer()  # slow, but reading: another period
+        else:
+            logger.warning(
                 "aborting a connection from %s: it read nothing for %g s with its send buffer "
                 "full (--send-timeout)",
                 self.client,

@@ -1,0 +1,167 @@
+"""The deadlines uvicorn lacks: a connection that never completes its headers is closed; a
+client that reads nothing while its send buffer is full is disconnected and its requests
+aborted, while one that reads, however slowly, is served to the end. (Server: one-second
+timeouts.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import uvicorn
+from servers import ServerProcess, read_metrics
+from uvicorn.server import ServerState
+
+from nanoserve.server.http_server import timed_h11_protocol
+
+DISCONNECTED = "vllm:http_requests_client_disconnected_total"
+GENERATED = "vllm:generation_tokens_total"
+# Big frames (20 logprobs per token), more than the kernel's socket buffers (4 MiB) hold.
+HEAVY = {"prompt": "x", "n": 8, "logprobs": 20, "max_tokens": 900, "ignore_eos": True,
+         "stream": True}  # fmt: skip
+
+
+def connect(port: int, receive_buffer: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def seconds_until_closed(sock: socket.socket) -> float:
+    started = time.monotonic()
+    while sock.recv(65536):
+        pass
+    return time.monotonic() - started
+
+
+def test_a_connection_without_headers_is_closed(strict_server: ServerProcess) -> None:
+    silent = connect(strict_server.port)
+    partial = connect(strict_server.port)
+    partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+    assert seconds_until_closed(silent) < 10
+    assert seconds_until_closed(partial) < 10
+
+
+def test_keep_alive_then_a_partial_request_is_closed(strict_server: ServerProcess) -> None:
+    sock = connect(strict_server.port)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    time.sleep(0.5)  # an idle keep-alive connection is fine
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    sock.sendall(b"GET /health HTTP/1.1\r\n")  # a third request that never ends
+    assert seconds_until_closed(sock) < 10
+
+
+def test_an_unread_body_after_the_answer_is_closed(strict_server: ServerProcess) -> None:
+    sock = connect(strict_server.port)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nabc")
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    assert seconds_until_closed(sock) < 10
+
+
+def send_request(port: int, body: dict, receive_buffer: int) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = connect(port, receive_buffer)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def test_a_client_that_reads_nothing_is_disconnected(strict_server: ServerProcess) -> None:
+    url = strict_server.url
+    before = read_metrics(url)
+    sock = send_request(strict_server.port, HEAVY, receive_buffer=4096)  # and never read
+    deadline = time.monotonic() + 60
+    while (metrics := read_metrics(url))[DISCONNECTED] < before[DISCONNECTED] + 1:
+        assert time.monotonic() < deadline, "the stalled client was never disconnected"
+        time.sleep(0.1)
+    while metrics["vllm:num_requests_running"] or metrics["vllm:kv_cache_usage_perc"]:
+        assert time.monotonic() < deadline, f"its requests were not aborted: {metrics}"
+        metrics = read_metrics(url)
+    sock.close()
+    # Aborted, not finished: the engine stopped well before 8 x 900 tokens.
+    assert metrics[GENERATED] - before[GENERATED] < 8 * 900
+    assert "--send-timeout" in strict_server.log()
+
+
+def test_a_client_that_reads_gets_everything(strict_server: ServerProcess) -> None:
+    before = read_metrics(strict_server.url)[DISCONNECTED]
+    sock = send_request(strict_server.port, HEAVY, receive_buffer=65536)
+    received = b""
+    while not received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before the end: {received[-300:]!r}"
+        received += chunk
+    sock.close()
+    assert received.count(b'"finish_reason":"length"') == 8
+    assert read_metrics(strict_server.url)[DISCONNECTED] == before
+
+
+class FakeTransport(asyncio.Transport):
+    """A transport whose send buffer the test fills and drains by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffered_bytes = 0
+        self.is_aborted = False
+
+    def get_extra_info(self, name: str, default=None):
+        return default
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered_bytes
+
+    def is_closing(self) -> bool:
+        return self.is_aborted
+
+    def abort(self) -> None:
+        self.is_aborted = True
+
+    def close(self) -> None: ...
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+async def no_app(scope, receive, send) -> None: ...
+
+
+def test_the_send_timeout_waits_while_the_client_reads() -> None:
+    async def scenario() -> None:
+        config = uvicorn.Config(app=no_app)
+        config.load()
+        protocol_class = timed_h11_protocol(header_timeout_s=60, send_timeout_s=0.2)
+        protocol = protocol_class(config, ServerState(), {})
+        transport = FakeTransport()
+        protocol.connection_made(transport)
+        transport.buffered_bytes = 1_000_000
+        protocol.pause_writing()  # the buffer is full
+        for _ in range(4):  # 0.8 s: the client reads a little in every period
+            await asyncio.sleep(0.15)
+            transport.buffered_bytes -= 1000
+        assert not transport.is_aborted
+        await asyncio.sleep(0.5)  # then nothing for longer than the timeout
+        assert transport.is_aborted
+        protocol.connection_lost(None)
+
+        protocol = protocol_class(config, ServerState(), {})
+        transport = FakeTransport()
+        protocol.connection_made(transport)
+        protocol.pause_writing()
+        await asyncio.sleep(0.1)
+        protocol.resume_writing()  # drained in time: no abort
+        await asyncio.sleep(0.3)
+        assert not transport.is_aborted
+        protocol.connection_lost(None)
+
+    asyncio.run(scenario())
