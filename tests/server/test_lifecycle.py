@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -14,14 +16,41 @@ import pytest
 from servers import ServerProcess
 
 
-@pytest.fixture
-def own_server(tiny_model: Path, tmp_path: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess(tiny_model, tmp_path / "server.log")
+@contextlib.contextmanager
+def serving(model: Path, tmp_path: Path, *flags: str) -> Iterator[ServerProcess]:
+    server = ServerProcess(model, tmp_path / "server.log", *flags)
     try:
         server.wait_healthy()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def own_server(tiny_model: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    with serving(tiny_model, tmp_path) as server:
+        yield server
+
+
+def error_frame(line: str) -> dict:
+    assert line.startswith("data: {"), line
+    return json.loads(line[len("data: ") :])["error"]
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    """Poll `predicate` until true; the seconds it took."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, f"not {what} after {timeout_s} s"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def health(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return 0
 
 
 def stream_lines(url: str, body: dict) -> Iterator[str]:
@@ -72,3 +101,85 @@ def test_sigterm_finishes_in_flight_then_leaves_nothing(own_server: ServerProces
         assert time.monotonic() < deadline, "the worker outlived the server"
         time.sleep(0.05)
     assert not ipc_dir.exists()
+
+
+@pytest.mark.slow  # two worker restarts
+def test_a_stopped_worker_is_detected_killed_and_replaced(tiny_model: Path, tmp_path: Path) -> None:
+    with serving(tiny_model, tmp_path, "--worker-timeout", "2") as server:
+        [worker] = server.worker_pids()
+        body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        lines = stream_lines(server.url, body)
+        assert next(lines).startswith("data: {")
+        os.kill(worker, signal.SIGSTOP)  # hung: alive, silent
+        started = time.monotonic()
+        rest = list(lines)  # the stream ends by itself: an error frame, then [DONE]
+        assert time.monotonic() - started < 20
+        assert rest[-1] == "data: [DONE]"
+        error = error_frame(rest[-2])
+        assert error["code"] == 503 and "no heartbeat" in error["message"], error
+        wait_for(lambda: not Path(f"/proc/{worker}").exists(), 10, "the hung worker killed")
+        server.wait_healthy(timeout_s=120)
+        [replacement] = server.worker_pids()
+        assert replacement != worker
+        answer = httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30
+        )
+        assert answer.status_code == 200
+
+        os.kill(replacement, signal.SIGSTOP)  # an idle worker that hangs is noticed too
+        wait_for(lambda: health(server.url) == 503, 20, "/health 503 for an idle hung worker")
+        server.wait_healthy(timeout_s=120)
+        assert server.worker_pids() not in ([replacement], [])
+
+
+async def stream_until_end(
+    client: httpx.AsyncClient, url: str, body: dict, first_frame: asyncio.Event
+) -> list[str]:
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = []
+        async for line in response.aiter_lines():
+            if line:
+                lines.append(line)
+                first_frame.set()
+        return lines
+
+
+async def sigterm_under_load(server: ServerProcess) -> tuple[list[list[str]], list, float]:
+    """Eight long streams and two long plain requests; SIGTERM once every stream has begun."""
+    body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60) as client:
+        firsts = [asyncio.Event() for _ in range(8)]
+        streams = [
+            asyncio.create_task(
+                stream_until_end(client, server.url, {**body, "n": 1 + i % 3, "stream": True}, f)
+            )
+            for i, f in enumerate(firsts)
+        ]
+        plain = [
+            asyncio.create_task(client.post(f"{server.url}/v1/completions", json=body))
+            for _ in range(2)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
+        server.process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        ended = await asyncio.gather(*streams)
+        elapsed = time.monotonic() - started
+        answers = await asyncio.gather(*plain, return_exceptions=True)
+    return ended, answers, elapsed
+
+
+def test_sigterm_under_load_ends_every_stream_with_done(own_server: ServerProcess) -> None:
+    [worker] = own_server.worker_pids()
+    ended, answers, elapsed = asyncio.run(sigterm_under_load(own_server))
+    assert elapsed < 3 + 2 + 3  # --shutdown-timeout 3, the flush, slack
+    for lines in ended:
+        assert lines[-1] == "data: [DONE]"
+        error = error_frame(lines[-2])
+        assert error["code"] == 503 and error["message"] == "the server is shutting down"
+    for answer in answers:
+        assert isinstance(answer, httpx.Response) and answer.status_code == 503, answer
+    assert own_server.process.wait(timeout=30) == 0
+    wait_for(lambda: not Path(f"/proc/{worker}").exists(), 10, "the worker gone")
+    log = own_server.log()
+    assert "Traceback" not in log and "CancelledError" not in log, log
