@@ -1,4 +1,5 @@
-"""A full waiting queue: new requests get 503 with Retry-After, and the server recovers."""
+"""A full waiting queue: new requests get 503 with Retry-After, and the server recovers. Every
+choice of every prompt counts against the queue, so no single request can get around it."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ MAX_WAITING = 2
 LONG = {"max_tokens": 900, "ignore_eos": True, "stream": True}  # ≥ 10 s of decode each
 
 
-@pytest.fixture
-def queue_server(tiny_model: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module")
+def queue_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     """One running sequence at a time, at most MAX_WAITING requests waiting for a first token."""
     server = ServerProcess(
-        tiny_model, tmp_path / "server.log",
+        tiny_model, tmp_path_factory.mktemp("queue") / "server.log",
         "--max-num-seqs", "1", "--max-waiting-requests", str(MAX_WAITING),
     )  # fmt: skip
     try:
@@ -148,3 +151,62 @@ def test_full_waiting_queue_answers_503_then_recovers(queue_server: ServerProces
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 4
     wait_until_idle(url, timeout_s=5.0)
+
+
+def post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def test_a_request_larger_than_the_queue_is_400(queue_server: ServerProcess) -> None:
+    url = queue_server.url
+    for body, param in (
+        ({"prompt": [[1], [2], [3]], "max_tokens": 1}, "prompt"),
+        ({"prompt": "a", "n": MAX_WAITING + 1, "max_tokens": 1}, "n"),
+        ({"prompt": ["a", "b"], "n": 2, "max_tokens": 1}, "n"),
+    ):
+        response = post(url, body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (
+            error["param"] == param and f"--max-waiting-requests {MAX_WAITING}" in error["message"]
+        )
+    assert engine_counts(url) == {"running": 0, "waiting": 0}
+
+
+def front_rss_bytes(server: ServerProcess) -> int:
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+
+def test_three_million_prompts_queue_nothing(queue_server: ServerProcess) -> None:
+    url = queue_server.url
+    started = time.monotonic()
+    response = post(url, {"prompt": [[5]] * 3_000_000, "max_tokens": 1})
+    assert response.status_code == 400 and "at most 2048 prompts" in response.text
+    assert time.monotonic() - started < 30
+    assert engine_counts(url) == {"running": 0, "waiting": 0}
+    assert front_rss_bytes(queue_server) < 1.5 * 2**30  # it reached 6.4 GB before the cap
+
+
+def test_prompts_times_n_count_against_the_free_room(queue_server: ServerProcess) -> None:
+    async def scenario() -> tuple[int, int]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+            running, waiting = Outcome(), Outcome()
+            url = queue_server.url
+            tasks = [asyncio.create_task(stream(client, url, "running", running))]
+            try:
+                await asyncio.wait_for(running.first_frame.wait(), timeout=30)
+                tasks.append(asyncio.create_task(stream(client, url, "waiting", waiting)))
+                await wait_for(lambda: waiting.status is not None, 30, "the second answered")
+                body = {"prompt": [[1], [2]], "max_tokens": 1}  # 1 waiting + 2 > 2
+                two = await client.post(f"{url}/v1/completions", json=body)
+                body = {"prompt": [[1]], "max_tokens": 1, "stream": True}  # 1 + 1 fits
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as one:
+                    return two.status_code, one.status_code
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    assert asyncio.run(scenario()) == (503, 200)
+    wait_until_idle(queue_server.url, timeout_s=10.0)

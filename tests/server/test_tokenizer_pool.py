@@ -1,0 +1,102 @@
+"""Tokenizer work runs beside the event loop: the same ids as the tokenizer, computed on another
+thread, and other streams keep their inter-token latency while a huge prompt is tokenized."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from servers import ServerProcess
+
+from nanoserve.server.tokenizer_pool import TokenizerPool
+from nanoserve.testing import make_tiny_checkpoint
+from nanoserve.tokenizer import load_tokenizer
+
+HUGE_CHARS = 2_000_000  # ~ seconds of tokenizing with the byte-level tokenizer
+
+
+def test_the_pool_encodes_and_decodes_on_its_own_thread(tmp_path: Path) -> None:
+    tokenizer = load_tokenizer(make_tiny_checkpoint(tmp_path, "qwen3"))
+    pool = TokenizerPool(tokenizer)
+
+    async def scenario() -> None:
+        assert await pool.encode("héllo") == tokenizer.encode("héllo")
+        assert await pool.encode("a", add_special_tokens=False) == tokenizer.encode(
+            "a", add_special_tokens=False
+        )
+        assert await pool.decode(tokenizer.encode("héllo")) == "héllo"
+        assert await pool.run(threading.get_ident) != threading.get_ident()
+        with pytest.raises(ValueError):
+            await pool.run(tokenizer.encode, 5)  # the job's error, raised to the caller
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def big_prompt_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """Takes prompts of up to 3 million characters (then refuses them for their tokens)."""
+    log = tmp_path_factory.mktemp("big") / "server.log"
+    server = ServerProcess(tiny_model, log, "--max-prompt-chars", "3000000")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+async def token_times(client: httpx.AsyncClient, url: str, times: list[float]) -> None:
+    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+
+
+def gaps(times: list[float], start: float, end: float) -> list[float]:
+    inside = [t for t in times if start <= t <= end]
+    return [b - a for a, b in zip(inside, inside[1:], strict=False)]
+
+
+async def measure(url: str) -> tuple[list[float], list[float], list[int]]:
+    """Token gaps of a stream before and while two huge prompts are processed."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        times: list[float] = []
+        streaming = asyncio.create_task(token_times(client, url, times))
+        while len(times) < 20:
+            await asyncio.sleep(0.05)
+        baseline_start = time.monotonic()
+        await asyncio.sleep(1.5)
+        busy_start = time.monotonic()
+        huge = "a" * HUGE_CHARS
+        completion = await client.post(f"{url}/v1/completions", json={"prompt": huge})
+        chat = await client.post(
+            f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": huge}]}
+        )
+        busy_end = time.monotonic()
+        streaming.cancel()
+        await asyncio.gather(streaming, return_exceptions=True)
+    statuses = [completion.status_code, chat.status_code]
+    return gaps(times, baseline_start, busy_start), gaps(times, busy_start, busy_end), statuses
+
+
+def test_streams_keep_their_pace_while_a_huge_prompt_is_tokenized(
+    big_prompt_server: ServerProcess,
+) -> None:
+    baseline, busy, statuses = asyncio.run(measure(big_prompt_server.url))
+    assert statuses == [400, 400]  # tokenized, then refused: over the 1024-token context
+    assert len(busy) >= 20, "the huge prompts took no time: nothing was measured"
+    # Generous bounds for a shared machine; on the event loop, one gap was the whole
+    # tokenization (seconds).
+    assert statistics.median(busy) < 3 * statistics.median(baseline) + 0.01, (baseline, busy)
+    assert max(busy) < 1.0, busy
