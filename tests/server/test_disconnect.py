@@ -1,8 +1,10 @@
-"""Clients that go away: their requests are aborted in the worker and their KV blocks freed."""
+"""Clients that go away: their requests are aborted in the worker, their KV blocks freed and
+their sockets closed."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
@@ -76,8 +78,14 @@ def test_abandoning_a_plain_request_aborts_it(server: ServerProcess) -> None:
     assert metrics[DISCONNECTED] == before + 1
 
 
+def num_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def test_many_dropped_streams_then_a_normal_request(server: ServerProcess) -> None:
     before = read_metrics(server.url)[DISCONNECTED]
+    pids = [server.process.pid, *server.worker_pids()]
+    descriptors = [num_descriptors(pid) for pid in pids]
     sockets = [
         open_request(server.port, "/v1/completions", {**LONG, "prompt": f"{i}", "stream": True})
         for i in range(100)
@@ -92,3 +100,8 @@ def test_many_dropped_streams_then_a_normal_request(server: ServerProcess) -> No
     assert response.status_code == 200 and time.monotonic() - started < 5.0
     metrics = wait_until_idle(server.url, timeout_s=5.0)
     assert metrics[DISCONNECTED] == before + 100
+    # No descriptor leaked by the front or the worker (sockets close as the storm is handled).
+    deadline = time.monotonic() + 10
+    while any(num_descriptors(pid) > n for pid, n in zip(pids, descriptors, strict=True)):
+        assert time.monotonic() < deadline, ([num_descriptors(p) for p in pids], descriptors)
+        time.sleep(0.1)
