@@ -22,6 +22,7 @@ from typing import Any
 
 from nanoserve.config import DTYPES, LOAD_FORMATS, EngineConfig
 from nanoserve.protocol import DEFAULT_WORKER_TIMEOUT_S
+from nanoserve.server.state import ServerConfig
 
 logger = logging.getLogger("nanoserve")
 
@@ -105,8 +106,6 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_http_flags(parser: argparse.ArgumentParser) -> None:
-    from nanoserve.server.state import ServerConfig
-
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
@@ -146,13 +145,13 @@ def _add_http_flags(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error", "critical"],
         help="log level of the server and the worker",
     )
-    _add_timeout_flags(parser, ServerConfig)
+    _add_limit_and_timeout_flags(parser)
 
 
-def _add_timeout_flags(parser: argparse.ArgumentParser, server_config: type) -> None:
+def _add_limit_and_timeout_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-body-bytes", type=parse_bytes,
-        default=config_default(server_config, "max_body_bytes"),
+        default=config_default(ServerConfig, "max_body_bytes"),
         help="largest request body, e.g. 32MiB (413 beyond)",
     )  # fmt: skip
     parser.add_argument(
@@ -168,7 +167,7 @@ def _add_timeout_flags(parser: argparse.ArgumentParser, server_config: type) -> 
          "buffer is full; then it is disconnected and its requests aborted"),
     ):  # fmt: skip
         parser.add_argument(
-            flag, type=float, default=config_default(server_config, field),
+            flag, type=float, default=config_default(ServerConfig, field),
             help=f"seconds allowed for {what}",
         )  # fmt: skip
     parser.add_argument(
@@ -298,8 +297,27 @@ def check_engine_config(config: EngineConfig) -> Path:
     return model_dir
 
 
+def server_config_from_args(args: argparse.Namespace, model: str) -> ServerConfig:
+    """The HTTP front's settings from `serve`'s flags (ValueError names a bad one)."""
+    if not args.worker_timeout > 0:
+        raise ValueError(f"--worker-timeout must be > 0 seconds, got {args.worker_timeout}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be ≥ 0 seconds, got {args.shutdown_timeout}")
+    return ServerConfig(
+        model=model,
+        served_model_names=tuple(args.served_model_name or [model]),
+        api_key=args.api_key or None,
+        max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        trust_request_chat_template=args.trust_request_chat_template,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        send_timeout_s=args.send_timeout,
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    from nanoserve.server.app import ServerConfig
     from nanoserve.tokenizer import load_tokenizer
 
     model = args.model or args.model_pos or str(DEMO_MODEL_DIR)
@@ -308,18 +326,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     try:
         engine_config = engine_config_from_args(args, model)
-        server_config = ServerConfig(
-            model=model,
-            served_model_names=tuple(args.served_model_name or [model]),
-            api_key=args.api_key or None,
-            max_waiting_requests=args.max_waiting_requests,
-            max_body_bytes=args.max_body_bytes,
-            max_prompt_chars=args.max_prompt_chars,
-            trust_request_chat_template=args.trust_request_chat_template,
-            header_timeout_s=args.header_timeout,
-            body_timeout_s=args.body_timeout,
-            send_timeout_s=args.send_timeout,
-        )
+        server_config = server_config_from_args(args, model)
         model_dir = check_engine_config(engine_config)
         tokenizer = load_tokenizer(model_dir, chat_template=args.chat_template)
     except ValueError as e:
@@ -333,12 +340,12 @@ _FLAG_NAMES = {"compile_decode": "--compile", "enable_prefix_caching": "--no-ena
 
 
 def with_flag_names(message: str) -> str:
-    """A config error with each EngineConfig field (those with an underscore, which no English
-    word has) named by its command-line flag."""
-    for field in dataclasses.fields(EngineConfig):
+    """A config error with each EngineConfig and ServerConfig field (those with an underscore,
+    which no English word has) named by its command-line flag (seconds drop their `_s`)."""
+    for field in (*dataclasses.fields(EngineConfig), *dataclasses.fields(ServerConfig)):
         if "_" not in field.name:
             continue
-        flag = _FLAG_NAMES.get(field.name, "--" + field.name.replace("_", "-"))
+        flag = _FLAG_NAMES.get(field.name, "--" + field.name.removesuffix("_s").replace("_", "-"))
         message = re.sub(rf"(?<![\w-]){field.name}\b", flag, message)
     return message
 

@@ -25,7 +25,9 @@ def test_serve_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None
         "--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-memory",
         "--gpu-memory-utilization", "--dtype", "--device", "--load-format", "--log-level",
         "--chat-template", "--max-waiting-requests", "--no-enable-prefix-caching",
-        "--enforce-eager",
+        "--enforce-eager", "--trust-request-chat-template", "--max-body-bytes",
+        "--max-prompt-chars", "--header-timeout", "--body-timeout", "--send-timeout",
+        "--worker-timeout", "--shutdown-timeout",
     ):  # fmt: skip
         assert flag in text
 
@@ -34,6 +36,9 @@ def test_serve_defaults() -> None:
     args = build_parser().parse_args(["serve", "--model", "m", "--served-model-name", "a", "b"])
     assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 8000, ["a", "b"])
     assert args.enable_prefix_caching and not args.enforce_eager
+    assert not args.trust_request_chat_template and args.max_prompt_chars is None
+    assert (args.header_timeout, args.body_timeout, args.send_timeout) == (30, 60, 60)
+    assert (args.worker_timeout, args.max_body_bytes) == (30, 32 * 2**20)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +69,10 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--max-model-len", "999999"], "--max-model-len (999999) is larger than the model's"),
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be ≥ 1, got 0"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
+        (["--header-timeout", "0"], "--header-timeout must be > 0 seconds, got 0"),
+        (["--send-timeout", "-1"], "--send-timeout must be > 0 seconds, got -1"),
+        (["--max-prompt-chars", "0"], "--max-prompt-chars must be ≥ 1, got 0"),
+        (["--max-waiting-requests", "0"], "--max-waiting-requests must be ≥ 1, got 0"),
     ],
 )
 def test_bad_settings_fail_in_one_line_before_any_worker_starts(
@@ -80,6 +89,16 @@ def test_bad_settings_fail_in_one_line_before_any_worker_starts(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert "worker" not in done.stderr.lower() and time.monotonic() - started < 30
+
+
+def test_a_bad_worker_timeout_fails_in_one_line(tiny_checkpoint: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(tiny_checkpoint),
+         "--worker-timeout", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == "nanoserve serve: --worker-timeout must be > 0 seconds, got 0.0"
 
 
 def test_serve_flags_take_their_defaults_from_the_engine_config() -> None:

@@ -124,7 +124,7 @@ class OpenAIServing:
         limit = self.max_prompt_chars
         if num_chars > limit:
             raise APIError(
-                f"the {param} is {num_chars} characters long; this server takes at most {limit} "
+                f"{param}: {num_chars} characters of text; this server takes at most {limit} "
                 f"characters per prompt (--max-prompt-chars; by default what "
                 f"{self.max_model_len} tokens of at most {self.max_token_chars} characters hold)",
                 400,

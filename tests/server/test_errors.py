@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import httpx
 import pytest
 from servers import ServerProcess, read_metrics
@@ -143,6 +146,30 @@ def test_oversized_body_is_413(server: ServerProcess) -> None:
     response = httpx.post(f"{server.url}{C}", content=body, timeout=60)
     assert response.status_code == 413
     assert response.json()["error"]["code"] == 413
+
+
+def front_rss_bytes(server: ServerProcess) -> int:
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing(server: ServerProcess) -> None:
+    before = front_rss_bytes(server)
+    for path, body in (
+        (C, {"prompt": "a" * 30_000_000}),
+        (C, {"prompt": ["a", "b" * 30_000_000]}),
+        (CHAT, {"messages": [{"role": "user", "content": "c" * 30_000_000}]}),
+        ("/tokenize", {"prompt": "d" * 30_000_000}),
+    ):
+        started = time.monotonic()
+        response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert time.monotonic() - started < 20  # tokenizing it took 30+ s
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert "30000000 characters" in error["message"], error
+        assert "--max-prompt-chars" in error["message"]
+    # The front kept 3.2 GB after one such prompt when it tokenized them.
+    assert front_rss_bytes(server) < before + 300 * 2**20
 
 
 def test_server_is_healthy_and_unchanged_after_bad_requests(server: ServerProcess) -> None:
