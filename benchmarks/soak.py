@@ -146,8 +146,8 @@ async def run_one(client: httpx.AsyncClient, url: str, request, counts: Counter)
                 if line == "data: [DONE]":
                     counts[label] += 1
                     return
-                if '"error"' in line:
-                    counts[f"error {label} frame"] += 1
+                if line.startswith('data: {"error"'):
+                    counts[f"error {label} frame: {line[6:200]}"] += 1
                     return
                 frames += 1
                 if drop is not None and frames >= drop:
