@@ -188,7 +188,8 @@ def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="always the plain eager path, even with --compile",
+        help="launch every step eagerly: no CUDA graphs on CUDA, no torch.compile on CPU "
+        "(even with --compile)",
     )
 
 

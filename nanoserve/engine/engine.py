@@ -46,6 +46,7 @@ class Engine:
             config.scheduler_config(self.max_model_len),
             self.device,
             compile_decode=config.use_compiled_decode,
+            enforce_eager=config.enforce_eager,
         )
         self.kv_sizing_time_s = time.perf_counter() - started
         self._fit_max_model_len_to_kv_cache()

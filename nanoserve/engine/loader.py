@@ -105,6 +105,8 @@ def build_model(
     model_class = get_model_class(model_config.architecture)
     with torch.device("meta"):
         model = model_class(model_config)
+    if device.type == "cuda":
+        _check_weights_fit(model, device, dtype)
     materialized: dict[int, nn.Parameter] = {}  # id(meta param) -> real param; keeps ties tied
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
@@ -116,6 +118,19 @@ def build_model(
             # Buffers (the RoPE table) keep their own dtype: float32.
             setattr(module, name, buffer.to(device))
     return model.eval()
+
+
+def _check_weights_fit(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """An explicit error, before allocating, when the GPU cannot hold the weights."""
+    unique = {id(p): p for p in model.parameters()}.values()  # a tied head counts once
+    weight_bytes = sum(p.numel() for p in unique) * torch.finfo(dtype).bits // 8
+    free, total = torch.cuda.mem_get_info(device)
+    if weight_bytes > free:
+        raise ValueError(
+            f"the model's weights need {weight_bytes / 2**30:.1f} GiB in "
+            f"{str(dtype).removeprefix('torch.')}, but {device} has {free / 2**30:.1f} GiB free "
+            f"of {total / 2**30:.1f} GiB; use a smaller model or dtype, or a larger GPU"
+        )
 
 
 def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -65,10 +65,11 @@ class Sampler:
             if batch.is_greedy is not None:
                 token_ids = torch.where(batch.is_greedy, logits.argmax(dim=-1), token_ids)
 
-        logprobs: list[TokenLogprobs | None] = [None] * batch.num_reqs
-        if raw_logprobs is not None:
-            logprobs = self._gather_logprobs(raw_logprobs, token_ids, batch)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        if raw_logprobs is None:
+            return SamplerOutput(
+                token_ids=to_host(token_ids)[0].tolist(), logprobs=[None] * batch.num_reqs
+            )
+        return self._with_logprobs(raw_logprobs, token_ids, batch)
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The logits random rows sample from: penalties then warpers, -inf where filtered."""
@@ -124,27 +125,34 @@ class Sampler:
         return noise
 
     @staticmethod
-    def _gather_logprobs(
+    def _with_logprobs(
         raw_logprobs: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
-    ) -> list[TokenLogprobs | None]:
+    ) -> SamplerOutput:
+        """The sampled tokens and, for the R rows that asked, their logprobs and the top ones."""
         # raw_logprobs: [R, V] for the R rows in batch.logprob_rows
         chosen_ids = token_ids[batch.logprob_index].unsqueeze(1)  # [R, 1]
         chosen = raw_logprobs.gather(1, chosen_ids)  # [R, 1]
         ranks = (raw_logprobs >= chosen).sum(dim=-1)  # [R]; 1 = the most likely token
         top_values, top_ids = raw_logprobs.topk(max(batch.num_logprobs), dim=-1)  # [R, K]
-
-        out: list[TokenLogprobs | None] = [None] * batch.num_reqs
-        columns = (
-            chosen_ids.squeeze(1).tolist(),
-            chosen.squeeze(1).tolist(),
-            ranks.tolist(),
-            top_ids.tolist(),
-            top_values.tolist(),
+        tokens, chosen, ranks, top_ids, top_values = to_host(
+            token_ids, chosen.squeeze(1), ranks, top_ids, top_values
         )
-        for r, (token_id, logprob, rank, ids, values) in enumerate(zip(*columns, strict=True)):
-            k = batch.num_logprobs[r]
-            out[batch.logprob_rows[r]] = TokenLogprobs(token_id, logprob, rank, ids[:k], values[:k])
-        return out
+        logprobs: list[TokenLogprobs | None] = [None] * batch.num_reqs
+        columns = (chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist())
+        token_list = tokens.tolist()
+        for r, (logprob, rank, ids, values) in enumerate(zip(*columns, strict=True)):
+            row, k = batch.logprob_rows[r], batch.num_logprobs[r]
+            logprobs[row] = TokenLogprobs(token_list[row], logprob, rank, ids[:k], values[:k])
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Copy tensors to the CPU with one wait on the device (the step's only host sync)."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return list(tensors)
+    copies = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return copies
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
