@@ -217,6 +217,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         qk_norm=architecture == "Qwen3ForCausalLM",
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or "float32",
         eos_token_ids=tuple(_token_ids(raw.get("eos_token_id"))),
+        quantization=_quantization(raw, config_path),
     )
 
 
@@ -236,6 +237,22 @@ def _check_supported(raw: dict[str, Any], config_path: Path) -> str:
     if raw.get("mlp_bias"):
         raise ModelLoadError(f"{config_path}: mlp_bias=true is not supported")
     return architecture
+
+
+def _quantization(raw: dict[str, Any], config_path: Path) -> dict | None:
+    """A checkpoint's quantization_config, if it is one we load (block-scaled FP8)."""
+    config = raw.get("quantization_config")
+    if config is None:
+        return None
+    method = config.get("quant_method")
+    if method != "fp8" or config.get("fmt", "e4m3") != "e4m3":
+        raise ModelLoadError(
+            f"{config_path}: quantization {method!r} ({config.get('fmt', '')}) is not supported; "
+            "supported: block-scaled fp8 (e4m3) checkpoints"
+        )
+    if config.get("activation_scheme", "dynamic") != "dynamic":
+        raise ModelLoadError(f"{config_path}: only dynamic FP8 activation scales are supported")
+    return dict(config)
 
 
 def check_rope_scaling(rope_scaling: dict | None) -> None:

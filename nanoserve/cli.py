@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nanoserve.config import DTYPES, LOAD_FORMATS, EngineConfig
+from nanoserve.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig
 
 logger = logging.getLogger("nanoserve")
 
@@ -186,6 +186,18 @@ def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
         "CPU keeps a second copy of the bf16 linear weights",
     )
     parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="int8: weight-only int8 linears (per output channel; activations stay in the model "
+        "dtype). FP8 checkpoints (quantization_config in config.json) need no flag",
+    )
+    parser.add_argument(
+        "--no-quantize-lm-head",
+        dest="quantize_lm_head",
+        action="store_false",
+        help="with --quantization, keep the LM head in the model dtype",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="launch every step eagerly: no CUDA graphs on CUDA, no torch.compile on CPU "
@@ -241,6 +253,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
+        quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         compile_decode=args.compile_decode,
         enforce_eager=args.enforce_eager,
     )

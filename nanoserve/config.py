@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("int8",)
 DEFAULT_MIN_BATCHED_TOKENS = 2048
 
 
@@ -39,6 +40,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     torch_dtype: str = "float32"  # the checkpoint's dtype as written in config.json
     eos_token_ids: tuple[int, ...] = ()  # from config.json; generation_config may add more
+    quantization: dict | None = None  # config.json's quantization_config (FP8 checkpoints)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -114,6 +116,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # tests: exact KV pool size
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    quantization: str | None = None  # int8: weight-only int8 linears
+    quantize_lm_head: bool = True  # with a quantization, the LM head too
     compile_decode: bool = False  # torch.compile the decode step (slow start-up, faster tokens)
     enforce_eager: bool = False  # the plain path, whatever else is asked for
 
@@ -129,6 +133,10 @@ class EngineConfig:
         _require(
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}",
+        )
+        _require(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
         )
         for name in ("max_model_len", "max_num_batched_tokens"):
             value = getattr(self, name)

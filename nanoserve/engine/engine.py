@@ -11,7 +11,7 @@ from nanoserve.checkpoint import load_generation_config_eos
 from nanoserve.config import EngineConfig
 from nanoserve.engine import loader
 from nanoserve.engine.kv_cache_manager import KVCacheManager
-from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.model_runner import ModelRunner, QuantizationChoice
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_batch import seeded_generator
 from nanoserve.engine.scheduler import Scheduler
@@ -47,6 +47,11 @@ class Engine:
             self.device,
             compile_decode=config.use_compiled_decode,
             enforce_eager=config.enforce_eager,
+            quantization=QuantizationChoice(
+                config.quantization,
+                include_lm_head=config.quantize_lm_head,
+                checkpoint_fp8=self.model_config.quantization is not None,
+            ),
         )
         self.kv_sizing_time_s = time.perf_counter() - started
         self._fit_max_model_len_to_kv_cache()

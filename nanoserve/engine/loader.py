@@ -31,6 +31,7 @@ from nanoserve.engine.layers.linear import MergedLinear
 from nanoserve.engine.layers.norm import RMSNorm
 from nanoserve.engine.models.llama import LlamaForCausalLM
 from nanoserve.engine.models.registry import get_model_class
+from nanoserve.engine.quantization import fp8
 
 logger = logging.getLogger("nanoserve.loader")
 
@@ -169,11 +170,15 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     destinations = checkpoint_tensors(model)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     files = weight_files(Path(model_dir))
+    block_size = fp8.block_size_of(getattr(getattr(model, "config", None), "quantization", None))
+    scales = _read_fp8_scales(files) if block_size is not None else {}
     names_by_file: dict[Path, list[str]] = {}
     for file in files:  # headers only: check names before copying anything
         with safe_open(file, framework="pt", device="cpu") as f:
             names = f.keys()  # a safe_open handle is not iterable itself
-        names_by_file[file] = [n for n in names if not _is_ignorable(n, tied)]
+        names_by_file[file] = [
+            n for n in names if not _is_ignorable(n, tied) and not n.endswith(fp8.SCALE_SUFFIX)
+        ]
     found = {name for names in names_by_file.values() for name in names}
     missing = sorted(set(destinations) - found)
     unexpected = sorted(found - set(destinations))
@@ -191,6 +196,9 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in names_by_file[file]:
                     tensor = f.get_tensor(name)
+                    if name in scales:  # a block-scaled FP8 weight: its values, in float32
+                        assert block_size is not None
+                        tensor = fp8.dequantize(tensor, scales[name], block_size)
                     destination = destinations[name]
                     if tensor.shape != destination.shape:
                         raise ModelLoadError(
@@ -209,6 +217,17 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                             total,
                         )
     logger.info("loaded %d tensors in %.1f s", total, time.perf_counter() - started)
+
+
+def _read_fp8_scales(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Weight name -> its block scales, for every `*_scale_inv` tensor (they are small)."""
+    scales = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.endswith(fp8.SCALE_SUFFIX):
+                    scales[name.removesuffix(fp8.SCALE_SUFFIX)] = f.get_tensor(name)
+    return scales
 
 
 def _preview(names: list[str], limit: int = 5) -> str:

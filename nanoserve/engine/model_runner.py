@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,8 @@ from nanoserve.engine.cpu_linear import install_packed_linears
 from nanoserve.engine.cuda_graphs import CudaGraphRunner
 from nanoserve.engine.kv_cache import KVCache
 from nanoserve.engine.models.llama import LlamaForCausalLM
+from nanoserve.engine.quantization.fp8 import can_use_fp8_matmul, install_fp8_linears
+from nanoserve.engine.quantization.int8 import install_int8_linears
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_batch import SamplingBatch
 from nanoserve.engine.scheduler import SchedulerOutput
@@ -32,6 +35,32 @@ from nanoserve.engine.step_layout import StepLayout, flatten_schedule
 from nanoserve.protocol import TokenLogprobs
 
 logger = logging.getLogger("nanoserve.model_runner")
+
+
+@dataclass(frozen=True)
+class QuantizationChoice:
+    """Which quantized linear method to install: `--quantization`, or the checkpoint's FP8."""
+
+    method: str | None  # "int8" or None
+    include_lm_head: bool = True
+    checkpoint_fp8: bool = False  # the checkpoint was FP8 (dequantized while loading)
+
+
+def install_linear_methods(
+    model: LlamaForCausalLM,
+    device: torch.device,
+    quantization: QuantizationChoice | None,
+    compile_decode: bool,
+) -> None:
+    """int8 where asked; FP8 products for an FP8 checkpoint on an FP8 GPU; then, on CPU,
+    oneDNN-packed weights for the linears still plain."""
+    if quantization is not None and quantization.method == "int8":
+        install_int8_linears(model, include_lm_head=quantization.include_lm_head)
+    elif quantization is not None and quantization.checkpoint_fp8 and can_use_fp8_matmul(device):
+        install_fp8_linears(model)
+    if device.type == "cpu":
+        # The compiled one-token products stream the plain weights: keep them too.
+        install_packed_linears(model, keep_plain_weights=compile_decode)
 
 
 class ModelRunner:
@@ -46,15 +75,14 @@ class ModelRunner:
         device: torch.device,
         compile_decode: bool = False,
         enforce_eager: bool = False,
+        quantization: QuantizationChoice | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self.vocab_size = model_config.vocab_size
         self.block_size = cache_config.block_size
         self.sampler = Sampler()
-        if device.type == "cpu":
-            # The compiled one-token products stream the plain weights: keep them too.
-            install_packed_linears(model, keep_plain_weights=compile_decode)
+        install_linear_methods(model, device, quantization, compile_decode)
         self.attention_backend = select_attention_backend(
             device,
             self.block_size,
