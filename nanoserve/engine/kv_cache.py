@@ -40,14 +40,15 @@ class KVCache:
         self.block_size = block_size
         self.device = device
         self.dtype = next(model.parameters()).dtype
+        attention = model.attention_layers()[0]  # this rank's heads (all, without parallelism)
+        self.num_kv_heads, self.head_dim = attention.num_kv_heads, attention.head_dim
         self.num_blocks = 0
         self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: (K, V)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers: K and V, block_size slots, every KV head."""
-        cfg = self.model_config
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+        per_token = 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.head_dim
         return per_token * self.block_size * torch.finfo(self.dtype).bits // 8
 
     def allocate(self, cache_config: CacheConfig, limits: SchedulerConfig) -> None:
@@ -69,8 +70,7 @@ class KVCache:
         when it aliases no other input. Zero-filled so that slots not yet written hold finite
         values (they are masked, but 0 * NaN would still poison the attention output).
         """
-        cfg = self.model_config
-        shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # Fixed shapes: keeps torch.compile from tying a cache dim to an equal batch size.
@@ -120,9 +120,8 @@ class KVCache:
 
     def _profile_forward(self, num_tokens: int) -> None:
         """Run the model once on `num_tokens` tokens with a throwaway cache to find peak memory."""
-        cfg = self.model_config
         num_blocks = -(-num_tokens // self.block_size)
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         for layer in self.model.attention_layers():
             k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.bind(k_cache, torch.zeros_like(k_cache), self.backend)

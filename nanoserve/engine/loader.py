@@ -27,7 +27,8 @@ from nanoserve.checkpoint import (
     weight_files,
 )
 from nanoserve.config import DTYPES, EngineConfig, ModelConfig
-from nanoserve.engine.layers.linear import MergedLinear
+from nanoserve.engine.distributed.parallel import TensorParallel
+from nanoserve.engine.layers.linear import CheckpointSlice, CheckpointTargets
 from nanoserve.engine.layers.norm import RMSNorm
 from nanoserve.engine.models.llama import LlamaForCausalLM
 from nanoserve.engine.models.registry import get_model_class
@@ -73,13 +74,18 @@ def load_model(
     config: EngineConfig,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
-    """Resolve, build and fill the model named by `config` (weights or seeded random values)."""
+    """Resolve, build and fill the model named by `config` (weights or seeded random values).
+
+    With tensor parallelism (`tp`) the model holds this rank's shard, read from the checkpoint
+    slice by slice: no process ever holds the whole model.
+    """
     device = torch.device(device) if device is not None else resolve_device(config.device)
     model_dir = resolve_checkpoint(config.model, config.load_format)
     model_config = load_model_config(model_dir)
     dtype = dtype or resolve_dtype(config.dtype, model_config.torch_dtype, device)
-    model = build_model(model_config, device, dtype)
+    model = build_model(model_config, device, dtype, tp)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "%s: %s, %.2fB parameters, %s on %s",
@@ -97,7 +103,10 @@ def load_model(
 
 
 def build_model(
-    model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """The model with uninitialized `dtype` weights on `device`, in eval mode.
 
@@ -105,7 +114,7 @@ def build_model(
     """
     model_class = get_model_class(model_config.architecture)
     with torch.device("meta"):
-        model = model_class(model_config)
+        model = model_class(model_config, tp)
     if device.type == "cuda":
         _check_weights_fit(model, device, dtype)
     materialized: dict[int, nn.Parameter] = {}  # id(meta param) -> real param; keeps ties tied
@@ -134,27 +143,43 @@ def _check_weights_fit(model: nn.Module, device: torch.device, dtype: torch.dtyp
         )
 
 
-def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Checkpoint tensor name -> the tensor (or rows of a fused tensor) it is copied into.
+def checkpoint_tensors(model: nn.Module) -> CheckpointTargets:
+    """Checkpoint tensor name -> (the parameter, or part of it, it fills; the slice to read).
 
-    A tied lm_head shares the embedding's tensor, so only `model.embed_tokens.weight` appears.
+    Layers that fuse or shard their weights say where each checkpoint tensor goes
+    (`checkpoint_targets`). A tied lm_head shares the embedding's tensor, so only
+    `model.embed_tokens.weight` appears.
     """
-    destinations: dict[str, torch.Tensor] = {}
+    destinations: CheckpointTargets = {}
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            if isinstance(module, MergedLinear):
-                parent = module_name.rpartition(".")[0]
-                for shard_name in module.shard_names:
-                    destinations[f"{parent}.{shard_name}.{param_name}"] = module.shard(
-                        param, shard_name
-                    )
+            targets = getattr(module, "checkpoint_targets", None)
+            if targets is not None:
+                destinations.update(targets(module_name, param_name, param))
             else:
-                destinations[f"{module_name}.{param_name}"] = param
+                destinations[f"{module_name}.{param_name}"] = (param, None)
     return destinations
+
+
+def read_tensor(
+    handle, name: str, source: CheckpointSlice | None, scales: dict[str, torch.Tensor], block
+) -> torch.Tensor:
+    """The part of checkpoint tensor `name` that `source` names (all of it for None).
+
+    A block-scaled FP8 weight is read whole and dequantized first (its blocks straddle shards).
+    """
+    if name in scales:
+        tensor = fp8.dequantize(handle.get_tensor(name), scales[name], block)
+        return tensor if source is None else tensor.narrow(source.dim, source.start, source.length)
+    if source is None:
+        return handle.get_tensor(name)
+    piece = handle.get_slice(name)  # reads only the slice from disk
+    end = source.start + source.length
+    return piece[source.start : end] if source.dim == 0 else piece[:, source.start : end]
 
 
 def _is_ignorable(name: str, tie_word_embeddings: bool) -> bool:
@@ -195,11 +220,8 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         for shard_index, file in enumerate(files, start=1):
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in names_by_file[file]:
-                    tensor = f.get_tensor(name)
-                    if name in scales:  # a block-scaled FP8 weight: its values, in float32
-                        assert block_size is not None
-                        tensor = fp8.dequantize(tensor, scales[name], block_size)
-                    destination = destinations[name]
+                    destination, source = destinations[name]
+                    tensor = read_tensor(f, name, source, scales, block_size)
                     if tensor.shape != destination.shape:
                         raise ModelLoadError(
                             f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, "

@@ -86,7 +86,7 @@ class ModelRunner:
         self.attention_backend = select_attention_backend(
             device,
             self.block_size,
-            model_config.num_key_value_heads,
+            model.attention_layers()[0].num_kv_heads,  # this rank's
             compile_decode=compile_decode,
             enforce_eager=enforce_eager,
         )
