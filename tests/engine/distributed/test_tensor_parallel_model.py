@@ -40,10 +40,10 @@ def step_logits(checkpoint: str, tp: TensorParallel) -> tuple[torch.Tensor, torc
         positions = torch.tensor([i for n in lens for i in range(n)])
         prefill = model.compute_logits(model(ids, positions, meta))  # [T, vocab] on rank 0
         next_ids = torch.tensor([3, 9])
+        decode_slots = [slot(t, n) for t, n in zip(tables, lens, strict=True)]
         meta = build_attention_metadata(
-            [1, 1], [n + 1 for n in lens], tables,
-            [slot(t, n) for t, n in zip(tables, lens, strict=True)], BLOCK_SIZE, torch.device("cpu"),
-        )  # fmt: skip
+            [1, 1], [n + 1 for n in lens], tables, decode_slots, BLOCK_SIZE, torch.device("cpu")
+        )
         decode = model.compute_logits(model(next_ids, torch.tensor(lens), meta))  # [2, vocab]
     return (prefill, decode) if tp.is_first else None
 
