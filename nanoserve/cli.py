@@ -72,6 +72,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_http_flags(parser)
     _add_limit_flags(parser)
     _add_speed_flags(parser)
+    _add_parallel_flags(parser)
     parser.set_defaults(handler=run_serve)
 
 
@@ -205,6 +206,36 @@ def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int,
+        default=config_default(EngineConfig, "tensor_parallel_size"),
+        help="split the model across this many worker processes (one per GPU on CUDA; gloo "
+        "on CPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nnodes", type=int, default=config_default(EngineConfig, "nnodes"),
+        help="machines the tensor-parallel ranks run on (each runs tp / nnodes of them)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--node-rank", type=int, default=config_default(EngineConfig, "node_rank"),
+        help="this machine's index; node 0 serves HTTP, the others run with --headless",
+    )  # fmt: skip
+    parser.add_argument(
+        "--master-addr", default=config_default(EngineConfig, "master_addr"),
+        help="node 0's address, where the ranks meet",
+    )  # fmt: skip
+    parser.add_argument(
+        "--master-port", type=int,
+        help="the port the ranks meet on (required with --nnodes > 1; default: a free port)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's ranks of an engine whose front is on node 0",
+    )
+
+
 def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     from nanoserve.chat_client import add_chat_parser as add_parser
 
@@ -257,6 +288,11 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         quantize_lm_head=args.quantize_lm_head,
         compile_decode=args.compile_decode,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
 
 
@@ -290,6 +326,10 @@ def run_serve(args: argparse.Namespace) -> int:
             max_waiting_requests=args.max_waiting_requests,
         )
         model_dir = check_engine_config(engine_config)
+        if args.headless:
+            from nanoserve.worker.headless import run_headless
+
+            return run_headless(engine_config, args.log_level)
         tokenizer = load_tokenizer(model_dir, chat_template=args.chat_template)
     except ValueError as e:
         print(f"nanoserve serve: {with_flag_names(str(e))}", file=sys.stderr)

@@ -118,6 +118,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     quantization: str | None = None  # int8: weight-only int8 linears
     quantize_lm_head: bool = True  # with a quantization, the LM head too
+    tensor_parallel_size: int = 1  # ranks (processes) one model is split across
+    nnodes: int = 1  # machines those ranks run on
+    node_rank: int = 0  # this machine's index among them
+    master_addr: str = "127.0.0.1"  # where rank 0 (node 0) meets the others
+    master_port: int | None = None  # None: a free port on this machine (one node)
     compile_decode: bool = False  # torch.compile the decode step (slow start-up, faster tokens)
     enforce_eager: bool = False  # the plain path, whatever else is asked for
 
@@ -141,9 +146,27 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(value is None or value >= 1, f"{name} must be ≥ 1, got {value}")
+        self._check_parallelism()
         self.cache_config()  # validates the cache settings
         if self.max_model_len is not None:
             self.scheduler_config(self.max_model_len)  # validates the scheduler limits
+
+    def _check_parallelism(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            _require(getattr(self, name) >= 1, f"{name} must be ≥ 1, got {getattr(self, name)}")
+        _require(
+            self.tensor_parallel_size % self.nnodes == 0,
+            f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes "
+            f"({self.nnodes}): every machine runs the same number of ranks",
+        )
+        _require(
+            0 <= self.node_rank < self.nnodes,
+            f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}",
+        )
+        _require(
+            self.nnodes == 1 or self.master_port is not None,
+            "a group on several machines needs master_port (and master_addr, node 0's address)",
+        )
 
     @property
     def use_compiled_decode(self) -> bool:

@@ -10,6 +10,7 @@ import torch
 from nanoserve.checkpoint import load_generation_config_eos
 from nanoserve.config import EngineConfig
 from nanoserve.engine import loader
+from nanoserve.engine.distributed.parallel import TensorParallel
 from nanoserve.engine.kv_cache_manager import KVCacheManager
 from nanoserve.engine.model_runner import ModelRunner, QuantizationChoice
 from nanoserve.engine.request import Request
@@ -24,12 +25,12 @@ logger = logging.getLogger("nanoserve.engine")
 class Engine:
     """Loads a model, owns the scheduler and model runner, and runs engine steps."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.config = config
         started = time.perf_counter()
         self.device = loader.resolve_device(config.device)
         torch.manual_seed(config.seed)
-        model, self.model_config, self.model_path = loader.load_model(config, self.device)
+        model, self.model_config, self.model_path = loader.load_model(config, self.device, tp=tp)
         self.dtype = next(model.parameters()).dtype
         self.load_time_s = time.perf_counter() - started
 
@@ -52,6 +53,7 @@ class Engine:
                 include_lm_head=config.quantize_lm_head,
                 checkpoint_fp8=self.model_config.quantization is not None,
             ),
+            tp=tp,
         )
         self.kv_sizing_time_s = time.perf_counter() - started
         self._fit_max_model_len_to_kv_cache()

@@ -16,6 +16,7 @@ import torch
 from nanoserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from nanoserve.engine.attention.layer import AttentionBackend
 from nanoserve.engine.attention.metadata import build_attention_metadata
+from nanoserve.engine.distributed.parallel import TensorParallel
 from nanoserve.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("nanoserve.kv_cache")
@@ -33,8 +34,10 @@ class KVCache:
         backend: AttentionBackend,
         block_size: int,
         device: torch.device,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.model = model
+        self.tp = tp or TensorParallel()
         self.model_config = model_config
         self.backend = backend
         self.block_size = block_size
@@ -54,6 +57,10 @@ class KVCache:
     def allocate(self, cache_config: CacheConfig, limits: SchedulerConfig) -> None:
         """Size the pool from the budget, allocate it and bind it to the layers."""
         self.num_blocks = self._num_blocks(cache_config, limits)
+        if self.tp.size > 1:  # every rank holds the same blocks: the smallest pool wins
+            count = torch.tensor([self.num_blocks], device=self.device)
+            torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MIN, group=self.tp.group)
+            self.num_blocks = int(count.item())
         self.tensors = [self._bind_new(layer) for layer in self.model.attention_layers()]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), up to %d tokens",

@@ -24,6 +24,8 @@ from nanoserve.engine.attention.metadata import AttentionMetadata, build_attenti
 from nanoserve.engine.attention.selector import select_attention_backend
 from nanoserve.engine.cpu_linear import install_packed_linears
 from nanoserve.engine.cuda_graphs import CudaGraphRunner
+from nanoserve.engine.distributed.parallel import TensorParallel
+from nanoserve.engine.distributed.step_broadcast import StepBroadcaster
 from nanoserve.engine.kv_cache import KVCache
 from nanoserve.engine.models.llama import LlamaForCausalLM
 from nanoserve.engine.quantization.fp8 import can_use_fp8_matmul, install_fp8_linears
@@ -76,8 +78,12 @@ class ModelRunner:
         compile_decode: bool = False,
         enforce_eager: bool = False,
         quantization: QuantizationChoice | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.model = model
+        self.tp = tp or TensorParallel()
+        # Rank 0 schedules; with tensor parallelism it sends each step to the other ranks.
+        self.broadcaster = StepBroadcaster(self.tp, device) if self.tp.size > 1 else None
         self.device = device
         self.vocab_size = model_config.vocab_size
         self.block_size = cache_config.block_size
@@ -97,7 +103,7 @@ class ModelRunner:
             self.compiled_model = torch.compile(model, dynamic=True)
             self.compiled_logits = torch.compile(model.compute_logits, dynamic=True)
         self.kv_cache = KVCache(
-            model, model_config, self.attention_backend, self.block_size, device
+            model, model_config, self.attention_backend, self.block_size, device, self.tp
         )
         self.kv_cache.allocate(cache_config, scheduler_config)
         self.graph_runner: CudaGraphRunner | None = None
@@ -142,11 +148,12 @@ class ModelRunner:
             device=self.device,
             eos_token_ids=eos_token_ids,
         )
+        if self.broadcaster is not None:
+            self.broadcaster.send(layout)
         hidden = self.forward(layout)  # [S, hidden]: the rows that sample
         if not requests:
             return {}, {}
-        compute_logits = self.compiled_logits or self.model.compute_logits
-        logits = compute_logits(hidden)  # [S, hidden] -> [S, vocab] float32
+        logits = self.logits(hidden)  # [S, hidden] -> [S, vocab] float32
         result = self.sampler(logits, batch)
         token_ids = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
         logprobs = {
@@ -173,6 +180,23 @@ class ModelRunner:
             output_rows = self._tensor(layout.sample_rows)
         input_ids, positions = self._tensor(layout.input_ids), self._tensor(layout.positions)
         return model(input_ids, positions, self.attention_metadata(layout), output_rows)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]
+        compute_logits = self.compiled_logits or self.model.compute_logits
+        return compute_logits(hidden)
+
+    def follow(self) -> None:
+        """A rank other than 0: run each step rank 0 broadcasts, until it says stop."""
+        assert self.broadcaster is not None and not self.tp.is_first
+        with torch.inference_mode():
+            while (layout := self.broadcaster.receive()) is not None:
+                hidden = self.forward(layout)
+                if layout.sample_rows:
+                    self.logits(hidden)  # this rank's share of the gathered logits
+
+    def stop_followers(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.send_stop()
 
     def attention_metadata(self, layout: StepLayout) -> AttentionMetadata:
         return build_attention_metadata(

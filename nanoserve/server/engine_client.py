@@ -28,7 +28,8 @@ from nanoserve.protocol import (
     WorkerFailed,
 )
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.worker.process import WorkerProcess
+from nanoserve.worker.process import start_worker_group
+from nanoserve.worker.ranks import WorkerGroup
 from nanoserve.worker.transport import FrontSockets, IpcDirectory
 
 logger = logging.getLogger("nanoserve.server")
@@ -175,7 +176,7 @@ class ZmqEngineClient(EngineClient):
         self._ipc = IpcDirectory()
         self._generation = 0
         self._sockets: FrontSockets | None = None
-        self._worker: WorkerProcess | None = None
+        self._worker: WorkerGroup | None = None
         self._supervisor: asyncio.Task | None = None
         self._is_closing = False
 
@@ -194,7 +195,7 @@ class ZmqEngineClient(EngineClient):
         addresses = self._ipc.addresses(self._generation)
         self._sockets = FrontSockets(addresses)
         start = time.perf_counter()
-        self._worker = WorkerProcess(self.config, addresses, self.log_level)
+        self._worker = start_worker_group(self.config, addresses, self.log_level)
         while True:
             message = await self._sockets.recv(POLL_S)
             if message is None:

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.engine.attention.kernels import fp32_products
+from nanoserve.engine.attention.kernels.online_softmax import attend_tile, load_kv_tile
 
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 32
@@ -39,12 +40,8 @@ def _decode_split_kernel(
     partial_max_ptr,  # [B, H, S] float32
     partial_sum_ptr,  # [B, H, S] float32
     scale,
-    q_stride_b,
-    q_stride_h,
-    table_stride_b,
-    cache_stride_block,
-    cache_stride_token,
-    cache_stride_head,
+    q_stride_b, q_stride_h, table_stride_b,
+    cache_stride_block, cache_stride_token, cache_stride_head,
     blocks_per_split,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of two ≥ 16 (tl.dot's minimum)
@@ -53,7 +50,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     NUM_SPLITS: tl.constexpr,
     FP32_PRODUCTS: tl.constexpr,  # exact float32 tile products (see fp32_products)
-):
+):  # fmt: skip
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -62,12 +59,9 @@ def _decode_split_kernel(
     first_block = split * blocks_per_split
     last_block = tl.minimum(first_block + blocks_per_split, num_blocks)
 
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    t = tl.arange(0, BLOCK_SIZE)
+    g, d, t = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_SIZE)
     heads = kv_head * GROUP + g  # [BLOCK_G]: the query heads of this KV head
-    g_mask = g < GROUP
-    d_mask = d < HEAD_DIM
+    g_mask, d_mask = g < GROUP, d < HEAD_DIM
     q_offsets = request * q_stride_b + heads[:, None] * q_stride_h + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
@@ -76,31 +70,15 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for block in range(first_block, last_block):
         block_id = tl.load(block_tables_ptr + request * table_stride_b + block)
-        kv_offsets = (
-            block_id * cache_stride_block
-            + t[:, None] * cache_stride_token
-            + kv_head * cache_stride_head
-            + d[None, :]
-        )  # [BLOCK_SIZE, BLOCK_D]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=d_mask[None, :], other=0.0)
-        if FP32_PRODUCTS:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            scores = scores * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_SIZE] float32
-        positions = block * BLOCK_SIZE + t
-        scores = tl.where(positions[None, :] < seq_len, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        probs = tl.exp(scores - new_max[:, None])
-        correction = tl.exp(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        if FP32_PRODUCTS:
-            update = tl.dot(probs, v.to(tl.float32), input_precision="ieee")
-        else:
-            update = tl.dot(probs.to(v.dtype), v)
-        acc = acc * correction[:, None] + update
-        running_max = new_max
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, tl.zeros([BLOCK_SIZE], tl.int64) + block_id, t, kv_head, d,
+            tl.broadcast_to(d_mask[None, :], (BLOCK_SIZE, BLOCK_D)),
+            cache_stride_block, cache_stride_token, cache_stride_head,
+        )  # fmt: skip
+        visible = (block * BLOCK_SIZE + t)[None, :] < seq_len  # [1, BLOCK_SIZE]
+        running_max, running_sum, acc = attend_tile(
+            q, k, v, visible, scale, running_max, running_sum, acc, FP32_PRODUCTS
+        )
 
     partial = (request * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [BLOCK_G]
     tl.store(partial_max_ptr + partial, running_max, mask=g_mask)

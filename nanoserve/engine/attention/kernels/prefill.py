@@ -15,9 +15,41 @@ import triton
 import triton.language as tl
 
 from nanoserve.engine.attention.kernels import fp32_products
+from nanoserve.engine.attention.kernels.online_softmax import attend_tile, load_kv_tile
 
 BLOCK_M = 32  # query rows per program
 BLOCK_N = 32  # keys per inner step
+
+
+@triton.jit
+def _causal_tile(
+    q,  # [BLOCK_M, BLOCK_D]
+    query_positions,  # [BLOCK_M]: each query's position in its sequence
+    last_key,  # keys at positions < last_key may be seen by some query of the tile
+    table,  # the request's block table
+    k_cache_ptr, v_cache_ptr, kv_head, d, d_mask, scale,
+    cache_stride_block, cache_stride_token, cache_stride_head,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, FP32_PRODUCTS: tl.constexpr,
+):  # fmt: skip
+    """Causal attention of a tile of queries over keys [0, last_key): [BLOCK_M, BLOCK_D]."""
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for key_start in range(0, last_key, BLOCK_N):
+        n = key_start + tl.arange(0, BLOCK_N)  # key positions
+        n_mask = n < last_key
+        block_ids = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0)
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_ids, n % BLOCK_SIZE, kv_head, d,
+            n_mask[:, None] & d_mask[None, :],
+            cache_stride_block, cache_stride_token, cache_stride_head,
+        )  # fmt: skip
+        visible = (n[None, :] <= query_positions[:, None]) & n_mask[None, :]
+        running_max, running_sum, acc = attend_tile(
+            q, k, v, visible, scale, running_max, running_sum, acc, FP32_PRODUCTS
+        )
+    return acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
 
 
 @triton.jit
@@ -61,50 +93,14 @@ def _prefill_kernel(
         d_mask = d < HEAD_DIM
         q_offsets = (query_start + m)[:, None] * q_stride_t + head * q_stride_h + d[None, :]
         q = tl.load(q_ptr + q_offsets, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-        query_positions = context_len + m  # [BLOCK_M]
 
-        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        running_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = block_tables_ptr + request * table_stride_b
         last_key = tl.minimum(context_len + (tile + 1) * BLOCK_M, seq_len)  # causal limit
-        for key_start in range(0, last_key, BLOCK_N):
-            n = key_start + tl.arange(0, BLOCK_N)  # key positions
-            n_mask = n < last_key
-            block_ids = tl.load(
-                block_tables_ptr + request * table_stride_b + n // BLOCK_SIZE, mask=n_mask, other=0
-            )
-            kv_offsets = (
-                block_ids[:, None] * cache_stride_block
-                + (n % BLOCK_SIZE)[:, None] * cache_stride_token
-                + kv_head * cache_stride_head
-                + d[None, :]
-            )  # [BLOCK_N, BLOCK_D]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if FP32_PRODUCTS:
-                scores = tl.dot(
-                    q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee"
-                )
-                scores = scores * scale
-            else:
-                scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N] float32
-            visible = (n[None, :] <= query_positions[:, None]) & n_mask[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            # Rows past the request's queries see no key: keep them finite (they are not stored).
-            new_max = tl.where(new_max > float("-inf"), new_max, 0.0)
-            probs = tl.exp(scores - new_max[:, None])
-            correction = tl.exp(running_max - new_max)
-            running_sum = running_sum * correction + tl.sum(probs, axis=1)
-            if FP32_PRODUCTS:
-                update = tl.dot(probs, v.to(tl.float32), input_precision="ieee")
-            else:
-                update = tl.dot(probs.to(v.dtype), v)
-            acc = acc * correction[:, None] + update
-            running_max = new_max
-
-        out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+        out = _causal_tile(
+            q, context_len + m, last_key, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_mask,
+            scale, cache_stride_block, cache_stride_token, cache_stride_head,
+            BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, FP32_PRODUCTS,
+        )  # fmt: skip
         out_offsets = (query_start + m)[:, None] * out_stride_t + head * out_stride_h + d[None, :]
         tl.store(
             out_ptr + out_offsets,
