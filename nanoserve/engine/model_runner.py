@@ -3,7 +3,8 @@
 Per step it flattens the scheduled tokens of every request into one batch (token ids,
 positions, the KV slot each token writes, the block table each request reads), runs the model
 once, and samples from the logits of each request's last position, for the requests whose
-prompt is complete after this step.
+prompt is complete after this step. Requests that ask for prompt logprobs also get the logits
+of the prompt positions they ran (`prompt_logprobs.py`).
 
 The fast paths are switched on here and nowhere else: the attention backend bound to every
 layer, oneDNN-packed linear weights on CPU, and (`compile_decode`) torch.compile for steps where
@@ -25,6 +26,7 @@ from nanoserve.engine.attention.layer import AttentionBackend
 from nanoserve.engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from nanoserve.engine.cpu_linear import install_packed_linears
 from nanoserve.engine.models.llama import LlamaForCausalLM
+from nanoserve.engine.prompt_logprobs import PromptLogprobRows
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_batch import SamplingBatch
@@ -43,8 +45,11 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn_meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [S]: flat index of the last token of each request that samples
+    # [S + P]: flat index of the last token of each request that samples, then the P rows
+    # that score prompt tokens; None when that is every row, in order.
+    output_rows: torch.Tensor | None
     sampling_requests: list[Request]  # [S]
+    prompt_logprob_rows: PromptLogprobRows  # [P]
 
 
 def select_attention_backend(device: torch.device, compile_decode: bool) -> AttentionBackend:
@@ -181,8 +186,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, eos_token_ids: frozenset[int]
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Run the scheduled tokens; return the sampled token (and logprobs) per request."""
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
+        """Run the scheduled tokens; return per request the sampled token, its logprobs and
+        the logprobs of the prompt positions scored in this step."""
         inputs = self.prepare_inputs(out)
         model: Callable[..., torch.Tensor] = self.model
         compute_logits: Callable[[torch.Tensor], torch.Tensor] = self.model.compute_logits
@@ -190,15 +196,18 @@ class ModelRunner:
             model = self.compiled_model
         if self.compiled_logits is not None:
             compute_logits = self.compiled_logits  # only the sampled rows, whatever the step
-        # The model finishes only the rows we sample from (a prompt's last token), unless
-        # every row is sampled (decode-only steps, which keeps the compiled graph simple).
-        every_row_sampled = len(inputs.sampling_requests) == inputs.input_ids.shape[0]
-        output_rows = None if every_row_sampled else inputs.sample_rows
-        hidden = model(inputs.input_ids, inputs.positions, inputs.attn_meta, output_rows)
-        if not inputs.sampling_requests:
-            return {}, {}
-        logits = compute_logits(hidden)  # [S, hidden] -> [S, vocab] float32
+        # The model finishes only the rows we sample from (a prompt's last token) and those
+        # that score prompt tokens: hidden is [S + P, hidden], or [T = S, hidden].
+        hidden = model(inputs.input_ids, inputs.positions, inputs.attn_meta, inputs.output_rows)
         requests = inputs.sampling_requests
+        prompt_logprobs = {}
+        if inputs.prompt_logprob_rows.rows:
+            prompt_logprobs = inputs.prompt_logprob_rows.compute(
+                hidden[len(requests) :], compute_logits, self.model_config.vocab_size
+            )
+        if not requests:
+            return {}, {}, prompt_logprobs
+        logits = compute_logits(hidden[: len(requests)])  # [S, hidden] -> [S, vocab] float32
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
@@ -215,7 +224,7 @@ class ModelRunner:
             for r, lp in zip(requests, result.logprobs, strict=True)
             if lp is not None
         }
-        return token_ids, logprobs
+        return token_ids, logprobs, prompt_logprobs
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled tokens of all requests into one batch, decodes first.
@@ -231,10 +240,12 @@ class ModelRunner:
         query_lens, seq_lens, block_tables = [], [], []
         sample_rows: list[int] = []
         sampling_requests: list[Request] = []
+        prompt_logprob_rows = PromptLogprobRows()
         for request in requests:
             start = request.num_computed_tokens
             end = start + out.num_scheduled_tokens[request.request_id]
             blocks = request.block_ids
+            prompt_logprob_rows.add(request, start, end, first_row=len(input_ids))
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(
@@ -243,16 +254,23 @@ class ModelRunner:
             query_lens.append(end - start)
             seq_lens.append(end)
             block_tables.append(blocks)
-            if end == request.num_tokens:  # the whole known sequence is cached: sample next
+            # The whole known sequence is cached after this step: sample the next token.
+            if end == request.num_tokens and not request.is_prompt_only:
                 sample_rows.append(len(input_ids) - 1)
                 sampling_requests.append(request)
         attn_meta = build_attention_metadata(
             query_lens, seq_lens, block_tables, slot_mapping, block_size, self.device
         )
+        output_rows = sample_rows + prompt_logprob_rows.rows
+        # Every row, in order (decode-only steps): no selection keeps the compiled graph simple.
+        every_row = len(sample_rows) == len(input_ids) and not prompt_logprob_rows.rows
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             attn_meta=attn_meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            output_rows=None
+            if every_row
+            else torch.tensor(output_rows, dtype=torch.int64, device=self.device),
             sampling_requests=sampling_requests,
+            prompt_logprob_rows=prompt_logprob_rows,
         )

@@ -128,23 +128,38 @@ class Sampler:
         raw_logprobs: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
     ) -> list[TokenLogprobs | None]:
         # raw_logprobs: [R, V] for the R rows in batch.logprob_rows
-        chosen_ids = token_ids[batch.logprob_index].unsqueeze(1)  # [R, 1]
-        chosen = raw_logprobs.gather(1, chosen_ids)  # [R, 1]
-        ranks = (raw_logprobs >= chosen).sum(dim=-1)  # [R]; 1 = the most likely token
-        top_values, top_ids = raw_logprobs.topk(max(batch.num_logprobs), dim=-1)  # [R, K]
-
+        chosen_ids = token_ids[batch.logprob_index]  # [R]
+        gathered = gather_token_logprobs(raw_logprobs, chosen_ids, batch.num_logprobs)
         out: list[TokenLogprobs | None] = [None] * batch.num_reqs
-        columns = (
-            chosen_ids.squeeze(1).tolist(),
-            chosen.squeeze(1).tolist(),
-            ranks.tolist(),
-            top_ids.tolist(),
-            top_values.tolist(),
-        )
-        for r, (token_id, logprob, rank, ids, values) in enumerate(zip(*columns, strict=True)):
-            k = batch.num_logprobs[r]
-            out[batch.logprob_rows[r]] = TokenLogprobs(token_id, logprob, rank, ids[:k], values[:k])
+        for row, entry in zip(batch.logprob_rows, gathered, strict=True):
+            out[row] = entry
         return out
+
+
+def gather_token_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+) -> list[TokenLogprobs]:
+    """Per row: the logprob and rank of `token_ids[row]`, and the `num_top[row]` best tokens.
+
+    logprobs: [R, V] log-softmax rows; token_ids: [R] long. Used for sampled tokens and for
+    prompt tokens alike.
+    """
+    chosen_ids = token_ids.unsqueeze(1)  # [R, 1]
+    chosen = logprobs.gather(1, chosen_ids)  # [R, 1]
+    ranks = (logprobs >= chosen).sum(dim=-1)  # [R]; 1 = the most likely token
+    top_values, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)  # [R, K]
+    columns = (
+        chosen_ids.squeeze(1).tolist(),
+        chosen.squeeze(1).tolist(),
+        ranks.tolist(),
+        top_ids.tolist(),
+        top_values.tolist(),
+        num_top,
+    )
+    return [
+        TokenLogprobs(token_id, logprob, rank, ids[:k], values[:k])
+        for token_id, logprob, rank, ids, values, k in zip(*columns, strict=True)
+    ]
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
