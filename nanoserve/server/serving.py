@@ -10,7 +10,7 @@ from typing import Any
 
 from nanoserve.output_processor import TOKEN_TEXT_CACHE_SIZE, OutputProcessor
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.server.api_models import SamplingFields
+from nanoserve.server.api_models import SamplingFields, StreamOptions
 from nanoserve.server.engine_client import EngineClient, EngineDeadError
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics
@@ -66,7 +66,8 @@ class OpenAIServing:
         return min(self.client.info.vocab_size, len(self.tokenizer))
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        """Unknown names are a 404; a missing or empty name means the served model (vLLM)."""
+        if model and model not in self.served_model_names:
             raise APIError(
                 f"The model `{model}` does not exist; this server serves "
                 f"{', '.join(self.served_model_names)}",
@@ -105,7 +106,12 @@ class OpenAIServing:
                 param,
             )
 
-    def check_max_tokens(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+    def check_max_tokens(
+        self, num_prompt: int, max_tokens: int | None, param: str, minimum: int = 1
+    ) -> None:
+        """`minimum` is 0 where a prompt may be run without generating (completions' echo)."""
+        if max_tokens is not None and max_tokens < minimum:
+            raise APIError(f"{param} must be at least {minimum}, got {max_tokens}", 400, param)
         if max_tokens is not None and num_prompt + max_tokens > self.max_model_len:
             raise APIError(
                 f"'{param}' is too large: {max_tokens}. This model's maximum context length is "
@@ -116,11 +122,22 @@ class OpenAIServing:
             )
 
     def make_params(
-        self, request: SamplingFields, max_tokens: int | None, logprobs: int | None
+        self,
+        request: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """The request's SamplingParams (n choices; the output processor fans them out)."""
+        """The request's SamplingParams (n choices; the output processor fans them out).
+
+        `prompt_logprobs` defaults to the request's own field (completions' echo sets it).
+        """
         if not 1 <= request.n <= MAX_N:
             raise APIError(f"n must be in [1, {MAX_N}], got {request.n}", 400, "n")
+        if request.stream and request.prompt_logprobs:
+            raise APIError(
+                "prompt_logprobs are not available when stream is true", 400, "prompt_logprobs"
+            )
         values: dict[str, Any] = {
             name: getattr(request, name)
             for name in SAMPLING_FIELDS
@@ -138,7 +155,9 @@ class OpenAIServing:
             values["seed"] = request.seed
         if request.top_k is not None:
             values["top_k"] = min(request.top_k, self.num_token_ids)  # ≥ vocab: no filter
-        values.update(max_tokens=max_tokens, logprobs=logprobs)
+        if prompt_logprobs is None:
+            prompt_logprobs = request.prompt_logprobs
+        values.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             params = SamplingParams(**values)
             params.validate_for_vocab(self.num_token_ids)
@@ -171,6 +190,14 @@ def _logit_bias(logit_bias: dict[str, float]) -> dict[int, float]:
         raise APIError(
             "logit_bias keys must be token ids (integers as strings)", 400, "logit_bias"
         ) from None
+
+
+def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage on every chunk): vLLM's `stream_options`, where
+    `continuous_usage_stats` counts only with `include_usage`."""
+    if options is None:
+        return False, False
+    return options.include_usage, options.include_usage and options.continuous_usage_stats
 
 
 def response_id(run: RequestRun) -> str:
