@@ -5,7 +5,7 @@ first has none (vLLM and OpenAI report None for it). In a step that runs positio
 [start, end) of a prompt, every position not scored yet and before the last prompt token
 (whose logits pick the first generated token) gives the logprob, the rank and the top-k of the
 prompt token after it, from the raw logits like the sampler's logprobs. A chunked prompt is
-scored chunk by chunk; the request keeps the results until its first delta carries them.
+scored chunk by chunk; the request keeps the results until its first delta takes them.
 
 A prompt position needs its logits, so it must run: a request that still needs prompt logprobs
 takes no more from the prefix cache than the positions it has already scored
@@ -41,7 +41,7 @@ class PromptLogprobRows:
         """Positions [start, end) of `request` run this step, from flat row `first_row` on."""
         if not request.needs_prompt_logprobs:
             return
-        first = len(request.prompt_logprobs)  # positions before it are scored
+        first = request.num_scored_prompt_tokens  # positions before it are scored
         assert start <= first, "a prompt position to score was taken from the prefix cache"
         last = min(end, request.num_prompt_tokens - 1)
         if first >= last:

@@ -55,8 +55,9 @@ class Request:
         self.stop_reason: int | None = None  # the stop token id that ended it, if any
         self.generator: torch.Generator | None = None  # per-request RNG when seeded
         self.first_scheduled_time: float | None = None
-        # Position j's logprobs of prompt token j + 1, when `prompt_logprobs` is asked for; sent
-        # with the request's first delta.
+        # With `prompt_logprobs`: how many prompt positions are scored, and the entries not yet
+        # sent (position j's logprobs of prompt token j + 1); the first delta takes them.
+        self.num_scored_prompt_tokens = 0
         self.prompt_logprobs: list[TokenLogprobs] = []
 
     @property
@@ -84,7 +85,7 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Some prompt position's logprobs are asked for and not computed yet."""
         wanted = self.sampling_params.prompt_logprobs is not None
-        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        return wanted and self.num_scored_prompt_tokens < self.num_prompt_tokens - 1
 
     @property
     def max_cached_prefix_tokens(self) -> int:
@@ -95,7 +96,7 @@ class Request:
         so such a position is recomputed, not read from the cache.
         """
         if self.needs_prompt_logprobs:
-            return len(self.prompt_logprobs)
+            return self.num_scored_prompt_tokens
         return self.num_tokens - 1
 
     def append_output_token(self, token_id: int) -> None:

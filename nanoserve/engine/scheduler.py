@@ -170,7 +170,9 @@ class Scheduler:
         deltas = []
         for request in out.requests:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
-            request.prompt_logprobs += (prompt_logprobs or {}).get(request.request_id, [])
+            scored = (prompt_logprobs or {}).get(request.request_id, [])
+            request.prompt_logprobs += scored
+            request.num_scored_prompt_tokens += len(scored)
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is not None:
                 request.append_output_token(token_id)
@@ -187,9 +189,12 @@ class Scheduler:
 
     @staticmethod
     def _delta(request: Request, token_logprobs: TokenLogprobs | None) -> RequestDelta:
-        """What this step added to `request`: its new token (none when prompt-only)."""
+        """What this step added to `request`: its new token (none when prompt-only); the first
+        delta also takes the request's prompt logprobs."""
         is_first = request.num_output_tokens <= 1  # prompt-only requests send one delta, empty
-        wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+        prompt_logprobs = None
+        if is_first and request.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
         return RequestDelta(
             request_id=request.request_id,
             new_token_ids=request.output_token_ids[-1:],
@@ -198,7 +203,7 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
             queue_time_s=Scheduler._queue_time_once(request) if is_first else None,
-            prompt_logprobs=request.prompt_logprobs if is_first and wants_prompt_logprobs else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod

@@ -17,6 +17,10 @@ from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.request_run import RequestRun
 
 MAX_N = 128
+# Prompt logprobs one request may ask for: prompt tokens x choices x (prompt_logprobs + 1).
+# Each entry costs the worker and the front ~100-200 bytes until the response is sent; lm-eval's
+# requests (a few prompts of up to a few thousand tokens, prompt_logprobs 1) need far fewer.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
 RETRY_AFTER_S = "1"
 # Request fields that map one to one onto SamplingParams when they are set.
 SAMPLING_FIELDS = (
@@ -170,6 +174,7 @@ class OpenAIServing:
         self, prompts: list[list[int]], params: list[SamplingParams], id_prefix: str
     ) -> RequestRun:
         """Check capacity, then add one engine request per (prompt, choice)."""
+        check_prompt_logprobs_size(prompts, params)
         self.check_capacity()
         processor = OutputProcessor(self.tokenizer, self.token_text)
         run = RequestRun(self.client, self.metrics, processor)
@@ -190,6 +195,24 @@ def _logit_bias(logit_bias: dict[str, float]) -> dict[int, float]:
         raise APIError(
             "logit_bias keys must be token ids (integers as strings)", 400, "logit_bias"
         ) from None
+
+
+def check_prompt_logprobs_size(prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    """Refuse a request whose prompt logprobs would hold more than MAX_PROMPT_LOGPROB_ENTRIES."""
+    num_entries = sum(
+        p.n * (len(prompt) - 1) * (p.prompt_logprobs + 1)
+        for prompt, p in zip(prompts, params, strict=True)
+        if p.prompt_logprobs is not None
+    )
+    if num_entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise APIError(
+            f"prompt logprobs for this request would hold {num_entries} entries (prompt tokens "
+            f"x n x (prompt_logprobs + 1), with echo and logprobs too); the limit is "
+            f"{MAX_PROMPT_LOGPROB_ENTRIES}: send fewer or shorter prompts, or lower n or "
+            "prompt_logprobs",
+            400,
+            "prompt_logprobs",
+        )
 
 
 def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:

@@ -109,13 +109,13 @@ def test_preempted_mid_prompt_scores_every_position_once(checkpoint, hf_model, p
     engine.add_request("a", prompt, scoring())
     engine.step()  # the first chunk: positions 0..15 scored
     [request] = engine.scheduler.running
-    assert len(request.prompt_logprobs) == 16
+    assert request.num_scored_prompt_tokens == len(request.prompt_logprobs) == 16
     engine.scheduler._preempt(request)
     deltas = []
     while engine.has_unfinished_requests():
         deltas += engine.step()
     # Readmitted, it takes the one block it had scored from the cache and scores the rest.
-    assert request.num_preemptions == 1
+    assert request.num_preemptions == 1 and request.prompt_logprobs == []  # sent, not kept
     assert engine.stats().prefix_cache_hits == 16
     assert_matches_reference(deltas[0].prompt_logprobs, hf_model, prompt)
 
