@@ -57,6 +57,10 @@ class LLM:
         for choice in processor.sorted_choices():
             result = by_id[choice.request_id.rsplit("-", 1)[0]]
             result.num_cached_tokens = choice.num_cached_tokens
+            if choice.prompt_logprobs is not None and result.prompt_logprobs is None:
+                result.prompt_logprobs = [
+                    None if p is None else _logprob_dict(p) for p in choice.prompt_logprobs
+                ]
             result.outputs.append(_completion_output(choice))
         return results
 

@@ -12,7 +12,8 @@ class SamplingParams:
     """Per-request sampling and stopping parameters, in vLLM's shape.
 
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
-    `max_tokens=None` means "until the context is full".
+    `max_tokens=None` means "until the context is full"; `max_tokens=0` runs the prompt only
+    and generates nothing (with `prompt_logprobs`: score a prompt, as lm-eval does).
     """
 
     n: int = 1
@@ -32,6 +33,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's plus the top k alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -62,8 +64,8 @@ class SamplingParams:
             f"repetition_penalty must be > 0, got {self.repetition_penalty}",
         )
         _require(
-            self.max_tokens is None or self.max_tokens >= 1,
-            f"max_tokens must be ≥ 1, got {self.max_tokens}",
+            self.max_tokens is None or self.max_tokens >= 0,
+            f"max_tokens must be ≥ 1 (or 0 to run the prompt only), got {self.max_tokens}",
         )
         _require(self.min_tokens >= 0, f"min_tokens must be ≥ 0, got {self.min_tokens}")
         _require(
@@ -73,6 +75,10 @@ class SamplingParams:
         _require(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+        _require(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
         )
         _require(
             all(isinstance(s, str) and s for s in self.stop),

@@ -127,8 +127,8 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        token_ids, logprobs = self.runner.execute(scheduled, self.eos_token_ids)
-        return self.scheduler.update(scheduled, token_ids, logprobs)
+        token_ids, logprobs, prompt_logprobs = self.runner.execute(scheduled, self.eos_token_ids)
+        return self.scheduler.update(scheduled, token_ids, logprobs, prompt_logprobs)
 
     def warm_up(self) -> None:
         """Run a prefill and decode steps at batch sizes 1 and 2 before serving.

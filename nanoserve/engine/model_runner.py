@@ -3,7 +3,8 @@
 Per step it flattens the scheduled tokens of every request into one batch (`step_layout.py`:
 token ids, positions, the KV slot each token writes, the block table each request reads), runs
 the model once, and samples from the logits of each request's last position, for the requests
-whose prompt is complete after this step.
+whose prompt is complete after this step. Requests that ask for prompt logprobs also get the
+logits of the prompt positions they ran (`prompt_logprobs.py`).
 
 The fast paths are switched on here and nowhere else: the attention backend bound to every
 layer (`attention/selector.py`), oneDNN-packed linear weights on CPU, CUDA graphs for decode
@@ -131,8 +132,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, eos_token_ids: frozenset[int]
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Run the scheduled tokens; return the sampled token (and logprobs) per request.
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
+        """Run the scheduled tokens; return per request the sampled token, its logprobs and
+        the logprobs of the prompt positions scored in this step.
 
         Every host-to-device copy (inputs, sampling parameters) is made before the forward pass
         is launched, so that the only wait on the device is for the sampled tokens.
@@ -150,10 +152,15 @@ class ModelRunner:
         )
         if self.broadcaster is not None:
             self.broadcaster.send(layout)
-        hidden = self.forward(layout)  # [S, hidden]: the rows that sample
+        hidden = self.forward(layout)  # [S + P, hidden]: the rows that sample, then score
+        prompt_logprobs = {}
+        if layout.prompt_logprob_rows.rows:
+            prompt_logprobs = layout.prompt_logprob_rows.compute(
+                hidden[len(requests) :], self.logits, self.vocab_size
+            )
         if not requests:
-            return {}, {}
-        logits = self.logits(hidden)  # [S, hidden] -> [S, vocab] float32
+            return {}, {}, prompt_logprobs
+        logits = self.logits(hidden[: len(requests)])  # [S, hidden] -> [S, vocab] float32
         result = self.sampler(logits, batch)
         token_ids = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
         logprobs = {
@@ -161,23 +168,26 @@ class ModelRunner:
             for r, lp in zip(requests, result.logprobs, strict=True)
             if lp is not None
         }
-        return token_ids, logprobs
+        return token_ids, logprobs, prompt_logprobs
 
-    def forward(self, layout: StepLayout) -> torch.Tensor:  # [S, hidden]
-        """Hidden states of the rows that sample: a CUDA graph, a compiled step or eager.
+    def forward(self, layout: StepLayout) -> torch.Tensor:  # [S + P, hidden]
+        """Hidden states of the rows that sample, then of those that score prompt tokens: a
+        CUDA graph, a compiled step or eager.
 
-        The model finishes only the rows sampled from (a prompt's last token), unless every
-        row is sampled (decode-only steps, which keeps compiled and captured graphs simple).
+        The model finishes only those rows (a prompt's last token, prompt positions to score),
+        unless that is every row in order (decode-only steps, which keeps compiled and captured
+        graphs simple).
         """
         graphs = self.graph_runner
         if graphs is not None and layout.is_decode_only and graphs.can_run(len(layout.query_lens)):
-            return graphs.run(layout.decode_inputs())
+            hidden = graphs.run(layout.decode_inputs())  # [T, hidden]
+            return hidden if layout.is_every_row_output else hidden[layout.output_rows]
         model: Callable[..., torch.Tensor] = self.model
         if self.compiled_model is not None and layout.is_decode_only:
             model = self.compiled_model
         output_rows = None
-        if not layout.every_row_sampled:
-            output_rows = self._tensor(layout.sample_rows)
+        if not layout.is_every_row_output:
+            output_rows = self._tensor(layout.output_rows)
         input_ids, positions = self._tensor(layout.input_ids), self._tensor(layout.positions)
         return model(input_ids, positions, self.attention_metadata(layout), output_rows)
 
@@ -191,8 +201,11 @@ class ModelRunner:
         with torch.inference_mode():
             while (layout := self.broadcaster.receive()) is not None:
                 hidden = self.forward(layout)
-                if layout.sample_rows:
-                    self.logits(hidden)  # this rank's share of the gathered logits
+                num_sampled = len(layout.sample_rows)
+                for begin, end in layout.prompt_logprob_rows.logit_slices(self.vocab_size):
+                    self.logits(hidden[num_sampled + begin : num_sampled + end])  # rank 0's gathers
+                if num_sampled:
+                    self.logits(hidden[:num_sampled])  # this rank's share of the gathered logits
 
     def stop_followers(self) -> None:
         if self.broadcaster is not None:

@@ -164,37 +164,52 @@ class Scheduler:
         out: SchedulerOutput,
         sampled_token_ids: dict[str, int],
         logprobs: dict[str, TokenLogprobs],
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[RequestDelta]:
         """Advance counters by what ran, append sampled tokens, finish requests that are done."""
         deltas = []
         for request in out.requests:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            scored = (prompt_logprobs or {}).get(request.request_id, [])
+            request.prompt_logprobs += scored
+            request.num_scored_prompt_tokens += len(scored)
             token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            if token_id is not None:
+                request.append_output_token(token_id)
+                self._check_stop(request, token_id)
+            elif request.is_prompt_only and request.num_computed_tokens == request.num_tokens:
+                request.finish_reason = FinishReason.LENGTH  # the prompt ran; nothing to sample
+            else:
                 continue  # a prompt chunk that is not the last one: nothing sampled yet
-            request.append_output_token(token_id)
-            self._check_stop(request, token_id)
-            token_logprobs = logprobs.get(request.request_id)
-            deltas.append(
-                RequestDelta(
-                    request_id=request.request_id,
-                    new_token_ids=[token_id],
-                    logprobs=[token_logprobs] if token_logprobs is not None else None,
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    queue_time_s=self._queue_time_once(request),
-                )
-            )
+            deltas.append(self._delta(request, logprobs.get(request.request_id)))
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._finish(request, request.finish_reason)
         return deltas
 
     @staticmethod
+    def _delta(request: Request, token_logprobs: TokenLogprobs | None) -> RequestDelta:
+        """What this step added to `request`: its new token (none when prompt-only); the first
+        delta also takes the request's prompt logprobs."""
+        is_first = request.num_output_tokens <= 1  # prompt-only requests send one delta, empty
+        prompt_logprobs = None
+        if is_first and request.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=request.output_token_ids[-1:],
+            logprobs=[token_logprobs] if token_logprobs is not None else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            queue_time_s=Scheduler._queue_time_once(request) if is_first else None,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    @staticmethod
     def _queue_time_once(request: Request) -> float | None:
-        """Seconds from arrival to first scheduled, reported with the first token only."""
-        if request.num_output_tokens != 1 or request.first_scheduled_time is None:
+        """Seconds from arrival to first scheduled, reported with the first delta only."""
+        if request.first_scheduled_time is None:
             return None
         return request.first_scheduled_time - request.arrival_time
 

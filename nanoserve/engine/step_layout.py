@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanoserve.engine.cuda_graphs import DecodeInputs
+from nanoserve.engine.prompt_logprobs import PromptLogprobRows
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import SchedulerOutput
 
@@ -26,14 +27,21 @@ class StepLayout:
     block_tables: list[list[int]] = field(default_factory=list)  # [B]
     sample_rows: list[int] = field(default_factory=list)  # [S]: each sampling request's last row
     sampling_requests: list[Request] = field(default_factory=list)  # [S]
+    prompt_logprob_rows: PromptLogprobRows = field(default_factory=PromptLogprobRows)  # [P]
 
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
     @property
-    def every_row_sampled(self) -> bool:
-        return len(self.sample_rows) == len(self.input_ids)
+    def output_rows(self) -> list[int]:
+        """[S + P]: the rows the model finishes: those that sample, then those that score."""
+        return self.sample_rows + self.prompt_logprob_rows.rows
+
+    @property
+    def is_every_row_output(self) -> bool:
+        """Every row, in order, is output (decode-only steps): no selection is needed."""
+        return len(self.sample_rows) == len(self.input_ids) and not self.prompt_logprob_rows.rows
 
     def decode_inputs(self) -> DecodeInputs:
         """This decode-only step as a CUDA graph's inputs."""
@@ -51,6 +59,7 @@ def flatten_schedule(out: SchedulerOutput, block_size: int) -> StepLayout:
         start = request.num_computed_tokens
         end = start + num_tokens[request.request_id]
         blocks = request.block_ids
+        layout.prompt_logprob_rows.add(request, start, end, first_row=len(layout.input_ids))
         layout.input_ids.extend(request.all_token_ids[start:end])
         layout.positions.extend(range(start, end))
         layout.slot_mapping.extend(
@@ -59,7 +68,8 @@ def flatten_schedule(out: SchedulerOutput, block_size: int) -> StepLayout:
         layout.query_lens.append(end - start)
         layout.seq_lens.append(end)
         layout.block_tables.append(blocks)
-        if end == request.num_tokens:  # the whole known sequence is cached: sample next
+        # The whole known sequence is cached after this step: sample the next token.
+        if end == request.num_tokens and not request.is_prompt_only:
             layout.sample_rows.append(len(layout.input_ids) - 1)
             layout.sampling_requests.append(request)
     return layout

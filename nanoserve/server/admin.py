@@ -14,7 +14,7 @@ from nanoserve.server.chat import template_messages
 from nanoserve.server.errors import APIError, error_body
 from nanoserve.server.http import json_response, read_json_body
 from nanoserve.server.metrics import CONTENT_TYPE
-from nanoserve.server.state import server_state
+from nanoserve.server.state import ServerState, server_state
 from nanoserve.tokenizer import apply_chat_template
 
 router = APIRouter()
@@ -37,16 +37,30 @@ async def prometheus_metrics(request: Request) -> Response:
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
+def model_cards(state: ServerState) -> list[ModelCard]:
+    """One card per served name."""
+    info = state.client.info
+    return [
+        ModelCard(id=name, root=state.config.model, max_model_len=info.max_model_len if info else 0)
+        for name in state.config.served_model_names
+    ]
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
     state = server_state(request)
     state.check_api_key(request)
-    info = state.client.info
-    cards = [
-        ModelCard(id=name, root=state.config.model, max_model_len=info.max_model_len if info else 0)
-        for name in state.config.served_model_names
-    ]
-    return json_response(ModelList(data=cards))
+    return json_response(ModelList(data=model_cards(state)))
+
+
+@router.get("/v1/models/{model_id:path}")  # hub names have a slash: Qwen/Qwen3-1.7B
+async def model(request: Request, model_id: str) -> Response:
+    state = server_state(request)
+    state.check_api_key(request)
+    for card in model_cards(state):
+        if card.id == model_id:
+            return json_response(card)
+    raise APIError(f"The model `{model_id}` does not exist.", 404, "model")
 
 
 @router.post("/tokenize")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, StrictInt
 
 TokenIds = list[StrictInt]
 
@@ -21,9 +21,10 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
-    """`stream_options`: whether to end a stream with a usage chunk."""
+    """`stream_options`: end a stream with a usage chunk; with it, usage on every chunk too."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(OpenAIModel):
@@ -49,6 +50,7 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of every prompt token (no streaming)
 
 
 class CompletionRequest(SamplingFields):
@@ -129,14 +131,32 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's logprob of one token at one prompt position, its rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: token id -> its entry (the prompt token and the top ones); None for the first.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
-    """One choice of a completion (also the shape of a stream chunk's choice)."""
+    """One choice of a stream chunk (and the base of a whole completion's choice)."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class CompletionResponseChoice(CompletionChoice):
+    """One choice of a whole completion."""
+
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -146,7 +166,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[SerializeAsAny[CompletionChoice]]
     usage: UsageInfo | None = None
 
 
@@ -196,6 +216,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatChunkChoice(BaseModel):

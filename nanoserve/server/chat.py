@@ -25,8 +25,9 @@ from nanoserve.server.api_models import (
 )
 from nanoserve.server.errors import APIError
 from nanoserve.server.http import read_json_body, respond
+from nanoserve.server.logprobs import vllm_prompt_logprobs
 from nanoserve.server.request_run import RequestRun
-from nanoserve.server.serving import OpenAIServing, response_id
+from nanoserve.server.serving import OpenAIServing, response_id, stream_usage
 from nanoserve.server.state import server_state
 from nanoserve.tokenizer import apply_chat_template
 
@@ -128,17 +129,26 @@ class ChatServing(OpenAIServing):
             for choice in run.choices
         ]
         return ChatCompletionResponse(
-            id=response_id(run), model=self.model_name, choices=choices, usage=run.usage()
+            id=response_id(run),
+            model=self.model_name,
+            choices=choices,
+            usage=run.usage(),
+            prompt_logprobs=vllm_prompt_logprobs(run.choices[0]),
         )
 
     async def chunks(
         self, request: ChatCompletionRequest, run: RequestRun
     ) -> AsyncIterator[ChatCompletionChunk]:
         chunk_id, created = response_id(run), int(time.time())
+        include_usage, continuous_usage = stream_usage(request.stream_options)
 
         def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
             return ChatCompletionChunk(
-                id=chunk_id, created=created, model=self.model_name, choices=choices
+                id=chunk_id,
+                created=created,
+                model=self.model_name,
+                choices=choices,
+                usage=run.usage() if continuous_usage else None,
             )
 
         yield chunk(
@@ -164,7 +174,7 @@ class ChatServing(OpenAIServing):
                 )
             if choices:
                 yield chunk(choices)
-        if request.stream_options is not None and request.stream_options.include_usage:
+        if include_usage:
             final = chunk([])
             final.usage = run.usage()
             yield final

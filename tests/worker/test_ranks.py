@@ -52,6 +52,22 @@ def assert_greedy_matches(url: str, expected: list[tuple[str, list[float]]]) -> 
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=1e-4)
 
 
+def assert_prompt_logprobs_match(url: str, checkpoint: Path) -> None:
+    """Scoring a prompt makes rank 0 gather logits of prompt rows: the followers must follow."""
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=512)
+    prompt = PROMPTS[1]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    [output] = llm.generate([prompt], params)
+    expected = [None] + [
+        entry[t].logprob for entry, t in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
+    ]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    got = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert got[0] is None and got[1:] == pytest.approx(expected[1:], abs=1e-4)
+
+
 def wait_status(url: str, status: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -69,6 +85,7 @@ def test_two_ranks_give_one_ranks_tokens_and_survive_a_dead_rank(checkpoint, exp
         ranks = server.worker_pids()
         assert len(ranks) == 2  # the front started both ranks
         assert_greedy_matches(server.url, expected)
+        assert_prompt_logprobs_match(server.url, checkpoint)
 
         os.kill(server.worker_pids()[-1], signal.SIGKILL)  # rank 1 dies
         wait_status(server.url, 503, timeout_s=30)  # the group is down: not ready

@@ -13,7 +13,7 @@ import torch
 from nanoserve.engine.distributed.parallel import TensorParallel
 from nanoserve.engine.step_layout import StepLayout
 
-HEADER_SIZE = 5  # tokens, requests, sampled rows, block-table width, flag
+HEADER_SIZE = 5  # tokens, requests, sampled rows, block-table width, prompt-scoring rows
 STOP = -1
 
 
@@ -21,10 +21,15 @@ def pack(layout: StepLayout) -> torch.Tensor:  # [header + payload] int64
     """One step's layout as a flat int64 tensor (block tables padded with -1)."""
     width = max((len(t) for t in layout.block_tables), default=0)
     tables = [t + [-1] * (width - len(t)) for t in layout.block_tables]
-    header = [len(layout.input_ids), len(layout.query_lens), len(layout.sample_rows), width, 0]
+    prompt_rows = layout.prompt_logprob_rows.rows
+    header = [
+        len(layout.input_ids), len(layout.query_lens), len(layout.sample_rows), width,
+        len(prompt_rows),
+    ]  # fmt: skip
     payload = [
         *layout.input_ids, *layout.positions, *layout.slot_mapping, *layout.query_lens,
         *layout.seq_lens, *(block for table in tables for block in table), *layout.sample_rows,
+        *prompt_rows,
     ]  # fmt: skip
     return torch.tensor(header + payload, dtype=torch.int64)
 
@@ -32,7 +37,7 @@ def pack(layout: StepLayout) -> torch.Tensor:  # [header + payload] int64
 def unpack(packed: torch.Tensor) -> StepLayout:
     """The layout `pack` made (without the requests themselves: followers do not sample)."""
     values = packed.tolist()
-    num_tokens, num_requests, num_sampled, width, _ = values[:HEADER_SIZE]
+    num_tokens, num_requests, num_sampled, width, num_prompt_rows = values[:HEADER_SIZE]
     position = HEADER_SIZE
 
     def take(count: int) -> list[int]:
@@ -49,6 +54,7 @@ def unpack(packed: torch.Tensor) -> StepLayout:
         [b for b in flat_tables[i * width : (i + 1) * width] if b >= 0] for i in range(num_requests)
     ]
     layout.sample_rows = take(num_sampled)
+    layout.prompt_logprob_rows.rows = take(num_prompt_rows)
     return layout
 
 
@@ -70,10 +76,11 @@ class StepBroadcaster:
     def receive(self) -> StepLayout | None:
         """The next step's layout, or None when rank 0 says stop."""
         header = self._broadcast(torch.empty(HEADER_SIZE, dtype=torch.int64))
-        num_tokens, num_requests, num_sampled, width, _ = header.tolist()
+        num_tokens, num_requests, num_sampled, width, num_prompt_rows = header.tolist()
         if num_tokens == STOP:
             return None
         size = 3 * num_tokens + 2 * num_requests + num_requests * width + num_sampled
+        size += num_prompt_rows
         payload = self._broadcast(torch.empty(size, dtype=torch.int64))
         return unpack(torch.cat([header, payload]))
 
