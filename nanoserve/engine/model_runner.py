@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_batch import SamplingBatch
 from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.structured.manager import GrammarMasks
 from nanoserve.protocol import TokenLogprobs
 
 logger = logging.getLogger("nanoserve.model_runner")
@@ -180,10 +182,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, eos_token_ids: frozenset[int]
+        self,
+        out: SchedulerOutput,
+        eos_token_ids: frozenset[int],
+        start_masks: Callable[[list[Request]], Future[GrammarMasks] | None] = lambda _: None,
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Run the scheduled tokens; return the sampled token (and logprobs) per request."""
+        """Run the scheduled tokens; return the sampled token (and logprobs) per request.
+
+        `start_masks` starts the grammar masks of the sampling rows; they are computed while
+        the forward pass runs and applied before sampling.
+        """
         inputs = self.prepare_inputs(out)
+        pending_masks = start_masks(inputs.sampling_requests)
         model: Callable[..., torch.Tensor] = self.model
         compute_logits: Callable[[torch.Tensor], torch.Tensor] = self.model.compute_logits
         if self.compiled_model is not None and inputs.attn_meta.is_decode_only:
@@ -208,6 +218,7 @@ class ModelRunner:
             device=self.device,
             eos_token_ids=eos_token_ids,
         )
+        batch.grammar_masks = pending_masks.result() if pending_masks is not None else None
         result = self.sampler(logits, batch)
         token_ids = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
         logprobs = {

@@ -10,7 +10,11 @@ from nanoserve.protocol import FinishReason
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
+
+    from nanoserve.engine.structured.grammar import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,6 +59,22 @@ class Request:
         self.stop_reason: int | None = None  # the stop token id that ended it, if any
         self.generator: torch.Generator | None = None  # per-request RNG when seeded
         self.first_scheduled_time: float | None = None
+        self.grammar: GrammarState | None = None  # structured output: advanced per token
+        self.grammar_future: Future[GrammarState] | None = None  # the grammar being built
+
+    def is_grammar_pending(self) -> bool:
+        """True while the request's grammar is being built (it cannot run yet).
+
+        Once built, it moves into `grammar`; a grammar that failed to build raises ValueError.
+        """
+        future = self.grammar_future
+        if future is None:
+            return False
+        if not future.done():
+            return True
+        self.grammar_future = None
+        self.grammar = future.result()
+        return False
 
     @property
     def num_prompt_tokens(self) -> int:

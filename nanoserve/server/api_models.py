@@ -26,6 +26,32 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, regex, choice list or grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """`response_format.json_schema`: a named schema; `strict` is always honoured."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """`response_format`: plain text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Sampling and stopping fields shared by completions and chat completions."""
 
@@ -49,6 +75,13 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured output: vLLM's field, its older guided_* names, and OpenAI's response_format.
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):

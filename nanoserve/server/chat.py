@@ -28,6 +28,7 @@ from nanoserve.server.http import read_json_body, respond
 from nanoserve.server.request_run import RequestRun
 from nanoserve.server.serving import OpenAIServing, response_id
 from nanoserve.server.state import server_state
+from nanoserve.server.structured_outputs import checked_constraint
 from nanoserve.tokenizer import apply_chat_template
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -41,7 +42,7 @@ async def create_chat_completion(request: Request) -> Response:
     state.check_api_key(request)
     body = await read_json_body(request, ChatCompletionRequest, state.config.max_body_bytes)
     serving = state.chat
-    run = serving.start(body)
+    run = await serving.start(body)
     return await respond(
         request,
         run,
@@ -97,7 +98,7 @@ class ChatServing(OpenAIServing):
         self.check_prompt(prompt, "messages")
         return prompt
 
-    def start(self, request: ChatCompletionRequest) -> RequestRun:
+    async def start(self, request: ChatCompletionRequest) -> RequestRun:
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", 400, "top_logprobs")
@@ -109,7 +110,8 @@ class ChatServing(OpenAIServing):
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt)  # the rest of the context
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.make_params(request, max_tokens, logprobs)
+        constraint = await checked_constraint(request)
+        params = self.make_params(request, max_tokens, logprobs, constraint)
         return self.start_run([prompt], [params], "chatcmpl")
 
     async def response(

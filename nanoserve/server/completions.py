@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nanoserve.output_processor import ChoiceUpdate, PositionLogprobs
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.api_models import (
     CompletionChoice,
     CompletionLogprobs,
@@ -21,6 +21,7 @@ from nanoserve.server.http import read_json_body, respond
 from nanoserve.server.request_run import RequestRun
 from nanoserve.server.serving import OpenAIServing, response_id
 from nanoserve.server.state import server_state
+from nanoserve.server.structured_outputs import checked_constraint
 
 # Fill-in-the-middle tokens (prefix, suffix, middle) of the code models that have them.
 FIM_TOKENS = (
@@ -38,7 +39,7 @@ async def create_completion(request: Request) -> Response:
     state.check_api_key(request)
     body = await read_json_body(request, CompletionRequest, state.config.max_body_bytes)
     serving = state.completions
-    run, texts = serving.start(body)
+    run, texts = await serving.start(body)
     return await respond(
         request,
         run,
@@ -51,19 +52,25 @@ async def create_completion(request: Request) -> Response:
 class CompletionServing(OpenAIServing):
     """Builds completion runs, responses and stream chunks."""
 
-    def start(self, request: CompletionRequest) -> tuple[RequestRun, list[str]]:
+    async def start(self, request: CompletionRequest) -> tuple[RequestRun, list[str]]:
         """Validate and start the request; also returns each prompt's text (for echo)."""
         self.check_model(request.model)
         prompts, texts = self.prompts(request)
-        params = [self._params(request, prompt) for prompt in prompts]
+        constraint = await checked_constraint(request)
+        params = [self._params(request, prompt, constraint) for prompt in prompts]
         return self.start_run(prompts, params, "cmpl"), texts
 
-    def _params(self, request: CompletionRequest, prompt: list[int]) -> SamplingParams:
+    def _params(
+        self,
+        request: CompletionRequest,
+        prompt: list[int],
+        constraint: StructuredOutputsParams | None,
+    ) -> SamplingParams:
         self.check_max_tokens(len(prompt), request.max_tokens, "max_tokens")
         max_tokens = request.max_tokens
         if max_tokens is None:  # null: the rest of the context
             max_tokens = self.max_model_len - len(prompt)
-        return self.make_params(request, max_tokens, request.logprobs)
+        return self.make_params(request, max_tokens, request.logprobs, constraint)
 
     def prompts(self, request: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         """Token ids and text of each prompt (text is used by echo)."""

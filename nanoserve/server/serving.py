@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 from nanoserve.output_processor import TOKEN_TEXT_CACHE_SIZE, OutputProcessor
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.api_models import SamplingFields
 from nanoserve.server.engine_client import EngineClient, EngineDeadError
 from nanoserve.server.errors import APIError
@@ -116,7 +116,11 @@ class OpenAIServing:
             )
 
     def make_params(
-        self, request: SamplingFields, max_tokens: int | None, logprobs: int | None
+        self,
+        request: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams (n choices; the output processor fans them out)."""
         if not 1 <= request.n <= MAX_N:
@@ -138,7 +142,9 @@ class OpenAIServing:
             values["seed"] = request.seed
         if request.top_k is not None:
             values["top_k"] = min(request.top_k, self.num_token_ids)  # ≥ vocab: no filter
-        values.update(max_tokens=max_tokens, logprobs=logprobs)
+        values.update(
+            max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured_outputs
+        )
         try:
             params = SamplingParams(**values)
             params.validate_for_vocab(self.num_token_ids)
