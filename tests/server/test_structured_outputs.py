@@ -148,15 +148,23 @@ def test_chat_takes_structured_outputs_too(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, "response_format", "Invalid type"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema", "needs json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "no"}}}},
+            "response_format",
+            "Invalid type",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema",
+            "needs json_schema.schema",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format.type", "response_format.type"),
         ({"structured_outputs": {"regex": "(["}}, "structured_outputs", "unclosed character class"),
-        ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs", "unknown name"),
+        ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs", "unknown name"),
         ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
         ({"guided_json": "{broken"}, "guided_json", "invalid structured output json"),
-        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex, guided_choice", "at most one"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex, guided_choice", "most one"),
     ],
 )  # fmt: skip
 def test_a_bad_constraint_is_a_400_naming_the_field(

@@ -29,12 +29,22 @@ SCHEMA = {
     "additionalProperties": False,
 }
 GRAMMAR = 'start: "(" expr ")"\nexpr: NUM | NUM "+" NUM\nNUM: /[0-9]{1,2}/'
+REGEX = "[0-9]{3}-[a-z]{2,4}"
 CHECKS = {
-    "json": (StructuredOutputsParams(json=SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
-    "regex": (StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2,4}"), lambda t: _match("[0-9]{3}-[a-z]{2,4}", t)),
-    "choice": (StructuredOutputsParams(choice=["red", "green"]), lambda t: _member(t, ["red", "green"])),
-    "grammar": (StructuredOutputsParams(grammar=GRAMMAR), lambda t: _match(r"\([0-9]{1,2}(\+[0-9]{1,2})?\)", t)),
-}  # fmt: skip
+    "json": (
+        StructuredOutputsParams(json=SCHEMA),
+        lambda t: jsonschema.validate(json.loads(t), SCHEMA),
+    ),
+    "regex": (StructuredOutputsParams(regex=REGEX), lambda t: _match(REGEX, t)),
+    "choice": (
+        StructuredOutputsParams(choice=["red", "green"]),
+        lambda t: _member(t, ["red", "green"]),
+    ),
+    "grammar": (
+        StructuredOutputsParams(grammar=GRAMMAR),
+        lambda t: _match(r"\([0-9]{1,2}(\+[0-9]{1,2})?\)", t),
+    ),
+}
 
 
 def _match(pattern: str, text: str) -> None:
