@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 
 from nanoserve.engine.structured.grammar import GrammarState
@@ -33,10 +34,24 @@ logger = logging.getLogger("nanoserve.structured")
 
 @dataclass
 class GrammarMasks:
-    """One step's masks: which batch rows are constrained, and their allowed tokens."""
+    """One step's masks: which batch rows are constrained, and what to add to their logits."""
 
     rows: list[int]  # [G]: rows of the step's sampling batch that have a grammar
-    bitmask: torch.Tensor  # [G, ceil(V / 32)] int32: bit t % 32 of word t // 32 = token t allowed
+    bias: torch.Tensor  # [G, V] float32: 0 where the grammar allows the token, -inf elsewhere
+
+
+_BIAS_OF_BIT = np.array([-np.inf, 0.0], dtype=np.float32)
+
+
+def bias_from_bitmask(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask (bit t % 32 of int32 word t // 32 set = token t allowed) → [G, V].
+
+    An additive bias rather than a boolean mask: on CPU, adding it is several times faster
+    than `masked_fill`, and it is built on the mask thread, off the step.
+    """
+    # bitmask: [G, W] int32, little-endian words, so its bytes hold the bits in token order
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")  # [G, W * 32]
+    return torch.from_numpy(_BIAS_OF_BIT[allowed[:, :vocab_size]])  # [G, V]
 
 
 class StructuredOutputManager:
@@ -87,14 +102,15 @@ class StructuredOutputManager:
         return self._mask_pool.submit(self._fill_masks, rows, grammars)
 
     def _fill_masks(self, rows: list[int], grammars: list[GrammarState | None]) -> GrammarMasks:
+        """The bitmask of every constrained row, as a [G, V] bias (all off the step loop)."""
         num_words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(rows), num_words), -1, dtype=torch.int32)  # [G, W]
+        bitmask = np.full((len(rows), num_words), -1, dtype=np.int32)  # [G, W]
         matchers = [(g.matcher, k) for k, g in enumerate(grammars) if g is not None]
         assert self._executor is not None
         self._executor.unsafe_compute_mask_ptr(
-            matchers, bitmask.data_ptr(), num_words * 4, len(rows)
+            matchers, bitmask.ctypes.data, num_words * 4, len(rows)
         )
-        return GrammarMasks(rows, bitmask)
+        return GrammarMasks(rows, bias_from_bitmask(bitmask, self.vocab_size))
 
     def shutdown(self) -> None:
         for pool in (self._compile_pool, self._mask_pool):
@@ -104,12 +120,9 @@ class StructuredOutputManager:
 
 def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> torch.Tensor:
     """Set every token the grammar forbids to -inf, in the constrained rows (in place)."""
-    # logits: [B, V]; masks.bitmask: [G, W] with W * 32 >= V
-    vocab_size = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
-    bitmask = masks.bitmask.to(logits.device, non_blocking=True)
-    allowed = (bitmask.unsqueeze(-1) >> shifts) & 1  # [G, W, 32]
-    allowed = allowed.flatten(1)[:, :vocab_size].bool()  # [G, V]
+    # logits: [B, V]; masks.bias: [G, V]
+    bias = masks.bias.to(logits.device, non_blocking=True)
+    if len(masks.rows) == logits.shape[0]:  # every row is constrained
+        return logits.add_(bias)
     rows = torch.tensor(masks.rows, dtype=torch.long, device=logits.device)  # [G]
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits
+    return logits.index_add_(0, rows, bias)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ from nanoserve.engine.structured.manager import (
     GrammarMasks,
     StructuredOutputManager,
     apply_grammar_masks,
+    bias_from_bitmask,
 )
 from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.testing import make_tiny_checkpoint
@@ -33,8 +35,8 @@ def manager(tmp_path_factory: pytest.TempPathFactory) -> StructuredOutputManager
 def allowed_ids(manager: StructuredOutputManager, grammar) -> set[int]:
     future = manager.start_masks([FakeRequest(grammar)])
     assert future is not None
-    bitmask = future.result(timeout=30).bitmask[0]
-    return {t for t in range(VOCAB_SIZE) if (int(bitmask[t // 32]) >> (t % 32)) & 1}
+    bias = future.result(timeout=30).bias[0]
+    return set(torch.isfinite(bias).nonzero().flatten().tolist())
 
 
 def test_eos_is_allowed_only_when_the_grammar_is_complete(manager) -> None:
@@ -78,22 +80,28 @@ def test_only_constrained_rows_get_masks(manager) -> None:
     assert future is not None and future.result(timeout=30).rows == [1]
 
 
-def test_apply_grammar_masks_sets_forbidden_tokens_to_minus_infinity() -> None:
-    logits = torch.randn(3, 70)
-    original = logits.clone()
-    bitmask = torch.zeros(1, 3, dtype=torch.int32)  # [G=1, W=3]: 96 bits for 70 tokens
+def test_the_bitmask_becomes_a_bias_in_token_order() -> None:
+    bitmask = np.zeros((2, 3), dtype=np.int32)  # [G=2, W=3]: 96 bits for 70 tokens
     bitmask[0, 0] = 1 << 5  # token 5
     bitmask[0, 2] = 1 << 1  # token 65
-    out = apply_grammar_masks(logits, GrammarMasks(rows=[1], bitmask=bitmask))
-    assert torch.equal(out[0], original[0]) and torch.equal(out[2], original[2])
-    finite = torch.isfinite(out[1]).nonzero().flatten().tolist()
-    assert finite == [5, 65]
-    assert out[1, 5] == original[1, 5] and out[1, 65] == original[1, 65]
+    bitmask[1, 0] = -(2**31)  # bit 31 is the sign bit: token 31
+    bias = bias_from_bitmask(bitmask, 70)
+    assert bias.shape == (2, 70) and bias.dtype == torch.float32
+    assert torch.isfinite(bias[0]).nonzero().flatten().tolist() == [5, 65]
+    assert torch.isfinite(bias[1]).nonzero().flatten().tolist() == [31]
+    assert set(bias.unique().tolist()) == {0.0, float("-inf")}
 
 
-def test_the_sign_bit_token_is_kept() -> None:
-    # Bit 31 of an int32 word is its sign bit: token 31 must survive the shift and mask.
-    logits = torch.zeros(1, 32)
-    bitmask = torch.tensor([[-(2**31)]], dtype=torch.int32)
-    out = apply_grammar_masks(logits, GrammarMasks(rows=[0], bitmask=bitmask))
-    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [31]
+@pytest.mark.parametrize("rows", [[1], [0, 1, 2]])
+def test_apply_grammar_masks_sets_forbidden_tokens_to_minus_infinity(rows: list[int]) -> None:
+    logits = torch.randn(3, 70)
+    original = logits.clone()
+    bias = torch.full((len(rows), 70), float("-inf"))
+    bias[:, [5, 65]] = 0.0
+    out = apply_grammar_masks(logits, GrammarMasks(rows=rows, bias=bias))
+    for row in range(3):
+        if row in rows:
+            assert torch.isfinite(out[row]).nonzero().flatten().tolist() == [5, 65]
+            assert out[row, 5] == original[row, 5] and out[row, 65] == original[row, 65]
+        else:
+            assert torch.equal(out[row], original[row])
