@@ -101,6 +101,18 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--chat-template",
         help="chat template to use instead of the checkpoint's: a Jinja string or a .jinja file",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral"],
+        help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 and Hermes <tool_call>; "
+        "llama3_json: Llama 3.x JSON; mistral: [TOOL_CALLS]), for tool_choice auto",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto", the default when a '
+        "request has tools); needs --tool-call-parser",
+    )
 
 
 def _add_http_flags(parser: argparse.ArgumentParser) -> None:
@@ -273,6 +285,8 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_names=tuple(args.served_model_name or [model]),
             api_key=args.api_key or None,
             max_waiting_requests=args.max_waiting_requests,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
         )
         model_dir = check_engine_config(engine_config)
         tokenizer = load_tokenizer(model_dir, chat_template=args.chat_template)

@@ -110,6 +110,33 @@ class ChatMessage(OpenAIModel):
     content: str | list[ContentPart] | None = None
 
 
+class FunctionDefinition(OpenAIModel):
+    """A function the model may call: its name, what it does, a JSON schema of its arguments."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    """`tool_choice` naming one function: `{"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -121,6 +148,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -203,11 +233,27 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    """The function a tool call calls; `arguments` is a JSON object's text."""
+
+    name: str
+    arguments: str
+
+
+class ChatToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
-    """The assistant's reply."""
+    """The assistant's reply: text, tool calls, or both."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ChatToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -235,7 +281,7 @@ class ChatChunkChoice(BaseModel):
     """One choice of a chat stream chunk; `delta` holds only what is new."""
 
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]  # role, content, tool_calls: only what is new
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

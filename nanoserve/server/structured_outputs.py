@@ -62,9 +62,23 @@ def _response_format_fields(request: SamplingFields) -> dict:
     return {"json": json_schema.schema_}
 
 
-async def checked_constraint(request: SamplingFields) -> StructuredOutputsParams | None:
-    """The request's constraint, compiled and validated off the event loop (APIError if bad)."""
+async def checked_constraint(
+    request: SamplingFields, forced: StructuredOutputsParams | None = None
+) -> StructuredOutputsParams | None:
+    """The request's constraint, compiled and validated off the event loop (APIError if bad).
+
+    `forced` is a constraint the server adds (a required or named tool choice); it comes from
+    `tools`, and cannot be combined with one the request asks for.
+    """
     requested = requested_constraint(request)
+    if requested is not None and forced is not None:
+        raise APIError(
+            f"{requested[1]} cannot be combined with a required or named tool_choice",
+            400,
+            requested[1],
+        )
+    if forced is not None:
+        requested = forced, "tools"
     if requested is None:
         return None
     constraint, param = requested

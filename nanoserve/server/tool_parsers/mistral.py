@@ -41,8 +41,7 @@ class JsonArrayCalls(ToolParser):
         """`[` to open, `{` to start a call, `,` between calls, `]` to close; False: wait."""
         stripped = self._buffer.lstrip()
         if not stripped:
-            self._buffer = ""
-            return False
+            return False  # whitespace so far: kept, it belongs to what comes next
         char, state = stripped[0], self._state
         if state == "open" and char == "[":
             self._state = "item"
