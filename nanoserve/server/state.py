@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the endpoint modules import this one
 
     from nanoserve.server.chat import ChatServing
     from nanoserve.server.completions import CompletionServing
+    from nanoserve.server.responses import ResponsesServing
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ServerState:
     metrics: ServerMetrics
     completions: CompletionServing
     chat: ChatServing
+    responses: ResponsesServing
 
     def check_api_key(self, request: Request) -> None:
         """401 unless the request carries `Authorization: Bearer <the key>` (when one is set)."""
