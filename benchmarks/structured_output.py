@@ -156,17 +156,28 @@ def model_dir_with_tokenizer(tokenizer_dir: Path) -> Path:
 
 
 class Timers:
-    """Wall time of the engine's mask filling and mask application, per call."""
+    """Wall time of the engine's mask work, per call: filling the masks (on the mask thread),
+    waiting for them after the forward pass, and applying them in the sampler."""
 
     def __init__(self, engine) -> None:
         from nanoserve.engine import sampler
         from nanoserve.engine.structured import manager
 
         self.fill: list[float] = []
+        self.wait: list[float] = []
         self.apply: list[float] = []
         fill, apply = engine.structured._fill_masks, manager.apply_grammar_masks
         engine.structured._fill_masks = self._timed(fill, self.fill)
         sampler.apply_grammar_masks = self._timed(apply, self.apply)
+        start_masks = engine.structured.start_masks
+
+        def timed_start(requests):
+            future = start_masks(requests)
+            if future is not None:
+                future.result = self._timed(future.result, self.wait)
+            return future
+
+        engine.structured.start_masks = timed_start
 
     @staticmethod
     def _timed(function, into: list[float]):
@@ -245,21 +256,30 @@ def run_overhead(args: argparse.Namespace) -> None:
     engine.warm_up()
     timers = Timers(engine)
     results: dict[tuple[int, str], list[float]] = {}
+    mask_costs: dict[int, dict[str, list[float]]] = {1: {}, 32: {}}
     for round_index in range(args.rounds):
         for num_requests in (1, 32):
             for arm, schema in (("free", None), ("json", LONG_SCHEMA)):
+                counts = {name: len(getattr(timers, name)) for name in ("fill", "wait", "apply")}
                 times = decode_step_times(engine, num_requests, schema, args.steps)
                 results.setdefault((num_requests, arm), []).extend(times)
+                for name, count in counts.items():
+                    new = getattr(timers, name)[count:]
+                    mask_costs[num_requests].setdefault(name, []).extend(new)
                 mean_ms = statistics.mean(times) * 1e3
                 print(f"round {round_index} x{num_requests} {arm}: {mean_ms:.1f} ms/step")
     for num_requests in (1, 32):
         free, constrained = (statistics.mean(results[(num_requests, a)]) for a in ("free", "json"))
+        costs = mask_costs[num_requests]
+        in_step = statistics.mean(costs["wait"]) + statistics.mean(costs["apply"])
         print(
             f"x{num_requests}: free {free * 1e3:.1f} ms, json {constrained * 1e3:.1f} ms/step "
-            f"({(constrained / free - 1) * 100:+.1f}%)"
+            f"({(constrained / free - 1) * 100:+.1f}%); in the step: wait + apply "
+            f"{in_step * 1e3:.2f} ms = {in_step / free * 100:.2f}% of a free step"
         )
-    print(f"mask fill (background thread): {_ms(timers.fill)}")
-    print(f"mask apply (in the sampler): {_ms(timers.apply)}")
+        print(f"  mask fill (mask thread, during the forward pass): {_ms(costs['fill'])}")
+        print(f"  wait for the masks after the forward pass: {_ms(costs['wait'])}")
+        print(f"  mask apply (in the sampler): {_ms(costs['apply'])}")
     tokenizer = load_tokenizer(model_dir)
     print(f"invalid outputs: {check_validity(engine, tokenizer, 32)} of 32")
 

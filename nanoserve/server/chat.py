@@ -27,12 +27,12 @@ from nanoserve.server.api_models import (
     TopLogprob,
 )
 from nanoserve.server.chat_tools import ToolPlan, plan_tools, templated_tool_calls
+from nanoserve.server.constraints import checked_constraint
 from nanoserve.server.errors import APIError
 from nanoserve.server.http import read_json_body, respond
 from nanoserve.server.request_run import RequestRun
 from nanoserve.server.serving import OpenAIServing, response_id
 from nanoserve.server.state import server_state
-from nanoserve.server.structured_outputs import checked_constraint
 from nanoserve.server.tool_parsers import ParsedDelta, ToolParser
 from nanoserve.tokenizer import apply_chat_template
 

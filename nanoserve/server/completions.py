@@ -16,12 +16,12 @@ from nanoserve.server.api_models import (
     CompletionRequest,
     CompletionResponse,
 )
+from nanoserve.server.constraints import checked_constraint
 from nanoserve.server.errors import APIError
 from nanoserve.server.http import read_json_body, respond
 from nanoserve.server.request_run import RequestRun
 from nanoserve.server.serving import OpenAIServing, response_id
 from nanoserve.server.state import server_state
-from nanoserve.server.structured_outputs import checked_constraint
 
 # Fill-in-the-middle tokens (prefix, suffix, middle) of the code models that have them.
 FIM_TOKENS = (
