@@ -57,3 +57,17 @@ def test_the_constraint_crosses_the_wire() -> None:
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
     assert decoded == params
     assert decoded.structured_outputs is not None and decoded.structured_outputs.kind == "json"
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutputsParams(json={"$ref": "file:///etc/passwd"}),
+        StructuredOutputsParams(json={"$ref": "http://127.0.0.1:1/schema.json"}),
+        StructuredOutputsParams(grammar='%import /etc/passwd\nstart: "a"'),
+    ],
+    ids=["file-ref", "url-ref", "lark-import"],
+)
+def test_a_constraint_cannot_name_a_file_or_a_url(constraint: StructuredOutputsParams) -> None:
+    with pytest.raises(ValueError, match="invalid structured output"):
+        check_constraint(constraint)
