@@ -34,9 +34,11 @@ def create_app(
     serving_args = (
         client, tokenizer, metrics, list(config.served_model_names), config.max_waiting_requests
     )  # fmt: skip
-    chat_serving = chat.ChatServing(*serving_args)
-    chat_serving.tool_call_parser = config.tool_call_parser
-    chat_serving.enable_auto_tool_choice = config.enable_auto_tool_choice
+    chat_serving = chat.ChatServing(
+        *serving_args,
+        tool_call_parser=config.tool_call_parser,
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+    )
     state = ServerState(
         config=config,
         client=client,

@@ -92,8 +92,15 @@ def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
 class ChatServing(OpenAIServing):
     """Builds chat runs, responses and stream chunks."""
 
-    tool_call_parser: str | None = None  # --tool-call-parser
-    enable_auto_tool_choice = False  # --enable-auto-tool-choice
+    def __init__(
+        self,
+        *args: Any,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+    ) -> None:
+        super().__init__(*args)
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice  # --enable-auto-tool-choice
 
     def prompt(self, request: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
         kwargs = template_kwargs(request)
