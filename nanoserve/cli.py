@@ -18,9 +18,9 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
-from nanoserve.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig
+from nanoserve.config import DTYPES, LOAD_FORMATS, EngineConfig
+from nanoserve.serve_flags import add_parallel_flags, add_speed_flags, config_default
 
 logger = logging.getLogger("nanoserve")
 
@@ -42,11 +42,6 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"the size must be > 0 bytes, got {text!r}")
     return int(value)
-
-
-def config_default(config_class: type, name: str) -> Any:
-    """The default of field `name` of a config dataclass: the CLI keeps no second copy."""
-    return {f.name: f.default for f in dataclasses.fields(config_class)}[name]
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -71,8 +66,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_model_flags(parser)
     _add_http_flags(parser)
     _add_limit_flags(parser)
-    _add_speed_flags(parser)
-    _add_parallel_flags(parser)
+    add_speed_flags(parser)
+    add_parallel_flags(parser)
     parser.set_defaults(handler=run_serve)
 
 
@@ -101,6 +96,18 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat-template",
         help="chat template to use instead of the checkpoint's: a Jinja string or a .jinja file",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral"],
+        help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 and Hermes <tool_call>; "
+        "llama3_json: Llama 3.x JSON; mistral: [TOOL_CALLS]), for tool_choice auto",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto", the default when a '
+        "request has tools); needs --tool-call-parser",
     )
 
 
@@ -175,65 +182,6 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
         help="do not share KV blocks between requests with the same prefix",
     )
     parser.add_argument("--num-kv-blocks", type=int, help=argparse.SUPPRESS)  # tests
-
-
-def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--compile",
-        dest="compile_decode",
-        action="store_true",
-        help="torch.compile the decode step: faster per token on CPU, but it compiles for tens "
-        "of seconds (minutes for billion-parameter models on few cores) at start-up, and on "
-        "CPU keeps a second copy of the bf16 linear weights",
-    )
-    parser.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        help="int8: weight-only int8 linears (per output channel; activations stay in the model "
-        "dtype). FP8 checkpoints (quantization_config in config.json) need no flag",
-    )
-    parser.add_argument(
-        "--no-quantize-lm-head",
-        dest="quantize_lm_head",
-        action="store_false",
-        help="with --quantization, keep the LM head in the model dtype",
-    )
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="launch every step eagerly: no CUDA graphs on CUDA, no torch.compile on CPU "
-        "(even with --compile)",
-    )
-
-
-def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tensor-parallel-size", "-tp", type=int,
-        default=config_default(EngineConfig, "tensor_parallel_size"),
-        help="split the model across this many worker processes (one per GPU on CUDA; gloo "
-        "on CPU)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--nnodes", type=int, default=config_default(EngineConfig, "nnodes"),
-        help="machines the tensor-parallel ranks run on (each runs tp / nnodes of them)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--node-rank", type=int, default=config_default(EngineConfig, "node_rank"),
-        help="this machine's index; node 0 serves HTTP, the others run with --headless",
-    )  # fmt: skip
-    parser.add_argument(
-        "--master-addr", default=config_default(EngineConfig, "master_addr"),
-        help="node 0's address, where the ranks meet",
-    )  # fmt: skip
-    parser.add_argument(
-        "--master-port", type=int,
-        help="the port the ranks meet on (required with --nnodes > 1; default: a free port)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--headless",
-        action="store_true",
-        help="run only this node's ranks of an engine whose front is on node 0",
-    )
 
 
 def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -324,6 +272,8 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_names=tuple(args.served_model_name or [model]),
             api_key=args.api_key or None,
             max_waiting_requests=args.max_waiting_requests,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
         )
         model_dir = check_engine_config(engine_config)
         if args.headless:

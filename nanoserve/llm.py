@@ -14,6 +14,7 @@ from nanoserve.engine.engine import Engine
 from nanoserve.output_processor import ChoiceState, OutputProcessor, PositionLogprobs
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured_outputs import check_constraint
 from nanoserve.tokenizer import load_tokenizer
 
 PromptType = str | list[int]
@@ -35,6 +36,9 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        for params in params_list:
+            if params.structured_outputs is not None:
+                check_constraint(params.structured_outputs)  # ValueError before any work
         processor = OutputProcessor(self.tokenizer)
         results: list[RequestOutput] = []
         try:

@@ -25,7 +25,7 @@ def test_serve_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None
         "--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-memory",
         "--gpu-memory-utilization", "--dtype", "--device", "--load-format", "--log-level",
         "--chat-template", "--max-waiting-requests", "--no-enable-prefix-caching",
-        "--enforce-eager",
+        "--enforce-eager", "--tool-call-parser", "--enable-auto-tool-choice",
     ):  # fmt: skip
         assert flag in text
 
@@ -64,6 +64,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--max-model-len", "999999"], "--max-model-len (999999) is larger than the model's"),
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be ≥ 1, got 0"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     ],
 )
 def test_bad_settings_fail_in_one_line_before_any_worker_starts(

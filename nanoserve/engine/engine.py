@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
@@ -16,7 +17,8 @@ from nanoserve.engine.model_runner import ModelRunner, QuantizationChoice
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_batch import seeded_generator
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.protocol import EngineStats, RequestDelta
+from nanoserve.engine.structured.manager import StructuredOutputManager
+from nanoserve.protocol import EngineStats, RequestDelta, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoserve.engine")
@@ -61,6 +63,9 @@ class Engine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), kv_manager)
+        self.structured = StructuredOutputManager(
+            self.model_path, self.vocab_size, self.eos_token_ids
+        )
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -116,6 +121,8 @@ class Engine:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         if params.seed is not None:
             request.generator = seeded_generator(params.seed, self.device)
+        if params.structured_outputs is not None:
+            request.grammar_future = self.structured.compile(params.structured_outputs)
         self.scheduler.add_request(request)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -126,9 +133,22 @@ class Engine:
         """Schedule, execute, update: one forward pass over the running batch."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            self._wait_for_a_grammar()
             return []
-        token_ids, logprobs, prompt_logprobs = self.runner.execute(scheduled, self.eos_token_ids)
+        token_ids: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        if scheduled.requests:
+            token_ids, logprobs, prompt_logprobs = self.runner.execute(
+                scheduled, self.eos_token_ids, self.structured.start_masks
+            )
         return self.scheduler.update(scheduled, token_ids, logprobs, prompt_logprobs)
+
+    def _wait_for_a_grammar(self) -> None:
+        """Nothing could run: if requests wait for their grammar, block briefly on those."""
+        pending = [r.grammar_future for r in self.scheduler.waiting if r.grammar_future]
+        if pending:
+            wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def warm_up(self) -> None:
         """Run a prefill and decode steps at batch sizes 1 and 2 before serving.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,12 @@ from nanoserve.engine.kv_cache import KVCache
 from nanoserve.engine.models.llama import LlamaForCausalLM
 from nanoserve.engine.quantization.fp8 import can_use_fp8_matmul, install_fp8_linears
 from nanoserve.engine.quantization.int8 import install_int8_linears
+from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_batch import SamplingBatch
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.step_layout import StepLayout, flatten_schedule
+from nanoserve.engine.structured.manager import GrammarMasks
 from nanoserve.protocol import TokenLogprobs
 
 logger = logging.getLogger("nanoserve.model_runner")
@@ -131,16 +134,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, eos_token_ids: frozenset[int]
+        self,
+        out: SchedulerOutput,
+        eos_token_ids: frozenset[int],
+        start_masks: Callable[[list[Request]], Future[GrammarMasks] | None] = lambda _: None,
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
         """Run the scheduled tokens; return per request the sampled token, its logprobs and
         the logprobs of the prompt positions scored in this step.
 
         Every host-to-device copy (inputs, sampling parameters) is made before the forward pass
         is launched, so that the only wait on the device is for the sampled tokens.
+        `start_masks` starts the grammar masks of the sampling rows; they are computed while
+        the forward pass runs and applied before sampling.
         """
         layout = flatten_schedule(out, self.block_size)
         requests = layout.sampling_requests
+        pending_masks = start_masks(requests)
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
@@ -161,6 +170,7 @@ class ModelRunner:
         if not requests:
             return {}, {}, prompt_logprobs
         logits = self.logits(hidden[: len(requests)])  # [S, hidden] -> [S, vocab] float32
+        batch.grammar_masks = pending_masks.result() if pending_masks is not None else None
         result = self.sampler(logits, batch)
         token_ids = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
         logprobs = {

@@ -10,7 +10,11 @@ from nanoserve.protocol import FinishReason, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
+
+    from nanoserve.engine.structured.grammar import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -59,6 +63,22 @@ class Request:
         # sent (position j's logprobs of prompt token j + 1); the first delta takes them.
         self.num_scored_prompt_tokens = 0
         self.prompt_logprobs: list[TokenLogprobs] = []
+        self.grammar: GrammarState | None = None  # structured output: advanced per token
+        self.grammar_future: Future[GrammarState] | None = None  # the grammar being built
+
+    def is_grammar_pending(self) -> bool:
+        """True while the request's grammar is being built (it cannot run yet).
+
+        Once built, it moves into `grammar`; a grammar that failed to build raises ValueError.
+        """
+        future = self.grammar_future
+        if future is None:
+            return False
+        if not future.done():
+            return True
+        self.grammar_future = None
+        self.grammar = future.result()
+        return False
 
     @property
     def num_prompt_tokens(self) -> int:

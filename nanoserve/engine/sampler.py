@@ -7,7 +7,8 @@ tensors) and calls `Sampler()(logits, batch)`. One vectorised pass, in this orde
         │
         ▼  penalties (they move the argmax)
     logit_bias → repetition penalty (prompt + output tokens) → presence/frequency penalties
-    (output tokens) → min_tokens (EOS and stop ids at -inf)        ─▶ greedy rows: argmax here
+    (output tokens) → min_tokens (EOS and stop ids at -inf) → grammar masks (tokens a
+    structured-output grammar forbids at -inf)                      ─▶ greedy rows: argmax here
         │
         ▼  warpers (they keep the argmax; they only shape the distribution)
     temperature → top-k → top-p → min-p ─▶ softmax ─▶ argmax(probs / Exp(1) noise)
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.engine.sampling_batch import SamplingBatch
+from nanoserve.engine.structured.manager import apply_grammar_masks
 from nanoserve.protocol import TokenLogprobs
 
 _NEG_INF = float("-inf")
@@ -57,6 +59,8 @@ class Sampler:
             raw_logprobs = selected.log_softmax(dim=-1)  # [R, V]
 
         logits = self.apply_penalties(logits, batch)
+        if batch.grammar_masks is not None:
+            logits = apply_grammar_masks(logits, batch.grammar_masks)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)  # [B]
         else:
@@ -74,6 +78,8 @@ class Sampler:
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The logits random rows sample from: penalties then warpers, -inf where filtered."""
         logits = self.apply_penalties(logits, batch)
+        if batch.grammar_masks is not None:
+            logits = apply_grammar_masks(logits.clone(), batch.grammar_masks)
         return logits if batch.all_greedy else self.apply_warpers(logits, batch)
 
     @staticmethod

@@ -36,10 +36,11 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)  # same order as the dict
     num_preempted: int = 0
+    failed: list[Request] = field(default_factory=list)  # their grammar failed to build
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests
+        return not self.requests and not self.failed
 
 
 class Scheduler:
@@ -105,9 +106,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in order while the budget, max_num_seqs and blocks allow."""
+        """Admit waiting requests in order while the budget, max_num_seqs and blocks allow.
+
+        A request whose grammar is still being built keeps its place and is passed over.
+        """
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._has_grammar_ready(out, request, passed_over):
+                continue
             cached_blocks, num_cached = self.kv.find_cached_prefix(request)
             num_new = self._num_tokens_to_run(request, budget, num_cached)
             if num_new == 0 or not self.kv.can_allocate(request, num_new, cached_blocks):
@@ -124,6 +131,21 @@ class Scheduler:
             self.running.append(request)
             self._record(out, request, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
+
+    def _has_grammar_ready(
+        self, out: SchedulerOutput, request: Request, passed_over: list[Request]
+    ) -> bool:
+        """False if `request` (the head of the queue) cannot run yet; it leaves the queue."""
+        try:
+            if not request.is_grammar_pending():
+                return True
+            passed_over.append(self.waiting.popleft())
+        except ValueError:
+            self.waiting.popleft()
+            self._finish(request, FinishReason.ABORT)
+            out.failed.append(request)
+        return False
 
     def _num_tokens_to_run(self, request: Request, budget: int, num_cached: int = 0) -> int:
         """Tokens not yet in the cache, cut to the budget (or 0 if it can't be chunked)."""
@@ -167,7 +189,9 @@ class Scheduler:
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[RequestDelta]:
         """Advance counters by what ran, append sampled tokens, finish requests that are done."""
-        deltas = []
+        deltas = [
+            RequestDelta(r.request_id, [], finish_reason=FinishReason.ABORT) for r in out.failed
+        ]
         for request in out.requests:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             scored = (prompt_logprobs or {}).get(request.request_id, [])
@@ -176,6 +200,8 @@ class Scheduler:
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is not None:
                 request.append_output_token(token_id)
+                if request.grammar is not None and not request.grammar.accept(token_id):
+                    request.finish_reason = FinishReason.ABORT  # a bug: the mask allowed it
                 self._check_stop(request, token_id)
             elif request.is_prompt_only and request.num_computed_tokens == request.num_tokens:
                 request.finish_reason = FinishReason.LENGTH  # the prompt ran; nothing to sample
@@ -215,6 +241,11 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
+        if request.finish_reason is not None:
+            return
+        if request.grammar is not None and request.grammar.is_terminated:
+            request.finish_reason = FinishReason.STOP  # nothing but EOS could follow
+            return
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 request.finish_reason = FinishReason.STOP
@@ -233,6 +264,10 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.grammar = None  # the matcher's memory goes with it
+        if request.grammar_future is not None:
+            request.grammar_future.cancel()
+            request.grammar_future = None
         self.kv.free(request)
         self.kv.forget(request)
         del self.requests[request.request_id]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,7 +11,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from nanoserve.output_processor import PositionLogprobs
+from nanoserve.output_processor import ChoiceState, ChoiceUpdate, PositionLogprobs
 from nanoserve.server.api_models import (
     ChatChoice,
     ChatChunkChoice,
@@ -21,14 +22,19 @@ from nanoserve.server.api_models import (
     ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
+    ChatToolCall,
+    FunctionCall,
     TopLogprob,
 )
+from nanoserve.server.chat_tools import ToolPlan, plan_tools, templated_tool_calls
+from nanoserve.server.constraints import checked_constraint
 from nanoserve.server.errors import APIError
 from nanoserve.server.http import read_json_body, respond
 from nanoserve.server.logprobs import vllm_prompt_logprobs
 from nanoserve.server.request_run import RequestRun
 from nanoserve.server.serving import OpenAIServing, response_id, stream_usage
 from nanoserve.server.state import server_state
+from nanoserve.server.tool_parsers import ParsedDelta, ToolParser
 from nanoserve.tokenizer import apply_chat_template
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -42,13 +48,13 @@ async def create_chat_completion(request: Request) -> Response:
     state.check_api_key(request)
     body = await read_json_body(request, ChatCompletionRequest, state.config.max_body_bytes)
     serving = state.chat
-    run = serving.start(body)
+    run, tools = await serving.start(body)
     return await respond(
         request,
         run,
         body.stream,
-        lambda: serving.chunks(body, run),
-        lambda: serving.response(body, run),
+        lambda: serving.chunks(body, run, tools),
+        lambda: serving.response(body, run, tools),
     )
 
 
@@ -60,6 +66,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if isinstance(message.content, list):
             item["content"] = [p.model_dump(exclude_none=True) for p in message.content]
         item.setdefault("content", "")
+        if "tool_calls" in item:
+            item["tool_calls"] = templated_tool_calls(item["tool_calls"])
         rendered.append(item)
     return rendered
 
@@ -85,24 +93,38 @@ def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
 class ChatServing(OpenAIServing):
     """Builds chat runs, responses and stream chunks."""
 
-    def prompt(self, request: ChatCompletionRequest) -> list[int]:
+    def __init__(
+        self,
+        *args: Any,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+    ) -> None:
+        super().__init__(*args)
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice  # --enable-auto-tool-choice
+
+    def prompt(self, request: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
+        kwargs = template_kwargs(request)
+        if tools.template_tools is not None:
+            kwargs["tools"] = tools.template_tools
         try:
             prompt = apply_chat_template(
                 self.tokenizer,
                 template_messages(request.messages),
                 add_generation_prompt=request.add_generation_prompt,
-                **template_kwargs(request),
+                **kwargs,
             )
         except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
             raise APIError(f"could not apply the chat template: {e}", 400, "messages") from None
         self.check_prompt(prompt, "messages")
         return prompt
 
-    def start(self, request: ChatCompletionRequest) -> RequestRun:
+    async def start(self, request: ChatCompletionRequest) -> tuple[RequestRun, ToolPlan]:
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", 400, "top_logprobs")
-        prompt = self.prompt(request)
+        tools = plan_tools(request, self.tool_call_parser, self.enable_auto_tool_choice)
+        prompt = self.prompt(request, tools)
         param, max_tokens = "max_completion_tokens", request.max_completion_tokens
         if max_tokens is None:
             param, max_tokens = "max_tokens", request.max_tokens
@@ -110,24 +132,31 @@ class ChatServing(OpenAIServing):
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt)  # the rest of the context
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.make_params(request, max_tokens, logprobs)
-        return self.start_run([prompt], [params], "chatcmpl")
+        constraint = await checked_constraint(request, tools.constraint)
+        params = self.make_params(request, max_tokens, logprobs, structured_outputs=constraint)
+        if tools.needs_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return self.start_run([prompt], [params], "chatcmpl"), tools
 
     async def response(
-        self, request: ChatCompletionRequest, run: RequestRun
+        self, request: ChatCompletionRequest, run: RequestRun, tools: ToolPlan
     ) -> ChatCompletionResponse:
         async for _ in run.updates():
             pass
-        choices = [
-            ChatChoice(
-                index=choice.index,
-                message=ChatResponseMessage(content=choice.text),
-                logprobs=_logprobs(choice.logprobs) if request.logprobs else None,
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
+        choices = []
+        for choice in run.choices:
+            message, finish_reason = ChatResponseMessage(content=choice.text), choice.finish_reason
+            if tools.make_parser is not None:
+                message, finish_reason = _tool_message(tools.make_parser(), choice)
+            choices.append(
+                ChatChoice(
+                    index=choice.index,
+                    message=message,
+                    logprobs=_logprobs(choice.logprobs) if request.logprobs else None,
+                    finish_reason=finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
             )
-            for choice in run.choices
-        ]
         return ChatCompletionResponse(
             id=response_id(run),
             model=self.model_name,
@@ -137,7 +166,7 @@ class ChatServing(OpenAIServing):
         )
 
     async def chunks(
-        self, request: ChatCompletionRequest, run: RequestRun
+        self, request: ChatCompletionRequest, run: RequestRun, tools: ToolPlan
     ) -> AsyncIterator[ChatCompletionChunk]:
         chunk_id, created = response_id(run), int(time.time())
         include_usage, continuous_usage = stream_usage(request.stream_options)
@@ -157,27 +186,81 @@ class ChatServing(OpenAIServing):
                 for c in run.choices
             ]
         )
+        make_parser = tools.make_parser
+        parsers = {c.index: make_parser() for c in run.choices} if make_parser else {}
         async for updates in run.updates():
-            choices = []
-            for update in updates:
-                logprobs = _logprobs(update.logprobs) if request.logprobs else None
-                if not update.text and logprobs is None and not update.choice.is_finished:
-                    continue
-                choices.append(
-                    ChatChunkChoice(
-                        index=update.choice.index,
-                        delta={"content": update.text} if update.text else {},
-                        logprobs=logprobs,
-                        finish_reason=update.choice.finish_reason,
-                        stop_reason=update.choice.stop_reason,
-                    )
-                )
-            if choices:
-                yield chunk(choices)
+            choices = [_chunk_choice(request, u, parsers.get(u.choice.index)) for u in updates]
+            if any(c is not None for c in choices):
+                yield chunk([c for c in choices if c is not None])
         if include_usage:
             final = chunk([])
             final.usage = run.usage()
             yield final
+
+
+def _tool_message(
+    parser: ToolParser, choice: ChoiceState
+) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's text read by its tool parser: the message and its finish reason."""
+    parser.feed(choice.text)
+    parser.finish()
+    message = ChatResponseMessage(
+        content=parser.content,
+        tool_calls=[
+            ChatToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in parser.calls
+        ],
+    )
+    return message, _finish_reason(choice, parser)
+
+
+def _finish_reason(choice: ChoiceState, parser: ToolParser | None) -> str | None:
+    if parser is not None and parser.calls and choice.finish_reason == "stop":
+        return "tool_calls"
+    return choice.finish_reason
+
+
+def _chunk_choice(
+    request: ChatCompletionRequest, update: ChoiceUpdate, parser: ToolParser | None
+) -> ChatChunkChoice | None:
+    """One choice's part of a stream chunk; None when it has nothing to show yet."""
+    choice = update.choice
+    logprobs = _logprobs(update.logprobs) if request.logprobs else None
+    delta: dict[str, Any] = {"content": update.text} if update.text else {}
+    if parser is not None:
+        parsed = [parser.feed(update.text)]
+        if choice.is_finished:
+            parsed.append(parser.finish())
+        delta = _delta(parsed)
+    if not delta and logprobs is None and not choice.is_finished:
+        return None
+    return ChatChunkChoice(
+        index=choice.index,
+        delta=delta,
+        logprobs=logprobs,
+        finish_reason=_finish_reason(choice, parser) if choice.is_finished else None,
+        stop_reason=choice.stop_reason,
+    )
+
+
+def _delta(parsed: list[ParsedDelta]) -> dict[str, Any]:
+    """A stream delta from what a tool parser let through: content and tool-call pieces."""
+    delta: dict[str, Any] = {}
+    content = "".join(p.content for p in parsed)
+    if content:
+        delta["content"] = content
+    tool_calls = []
+    for piece in (call for p in parsed for call in p.tool_calls):
+        item: dict[str, Any] = {"index": piece.index}
+        if piece.name is not None:
+            item.update(id=piece.id, type="function")
+        function = {"name": piece.name} if piece.name is not None else {}
+        function["arguments"] = piece.arguments
+        item["function"] = function
+        tool_calls.append(item)
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
+    return delta
 
 
 def _logprobs(positions: list[PositionLogprobs]) -> ChatLogprobs:

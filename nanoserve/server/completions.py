@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nanoserve.output_processor import ChoiceState, ChoiceUpdate
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.api_models import (
     CompletionChoice,
     CompletionLogprobs,
@@ -23,6 +23,7 @@ from nanoserve.server.api_models import (
     CompletionResponse,
     CompletionResponseChoice,
 )
+from nanoserve.server.constraints import checked_constraint
 from nanoserve.server.errors import APIError
 from nanoserve.server.http import read_json_body, respond
 from nanoserve.server.logprobs import (
@@ -50,7 +51,7 @@ async def create_completion(request: Request) -> Response:
     state.check_api_key(request)
     body = await read_json_body(request, CompletionRequest, state.config.max_body_bytes)
     serving = state.completions
-    run, texts = serving.start(body)
+    run, texts = await serving.start(body)
     return await respond(
         request,
         run,
@@ -63,14 +64,20 @@ async def create_completion(request: Request) -> Response:
 class CompletionServing(OpenAIServing):
     """Builds completion runs, responses and stream chunks."""
 
-    def start(self, request: CompletionRequest) -> tuple[RequestRun, list[str]]:
+    async def start(self, request: CompletionRequest) -> tuple[RequestRun, list[str]]:
         """Validate and start the request; also returns each prompt's text (for echo)."""
         self.check_model(request.model)
         prompts, texts = self.prompts(request)
-        params = [self._params(request, prompt) for prompt in prompts]
+        constraint = await checked_constraint(request)
+        params = [self._params(request, prompt, constraint) for prompt in prompts]
         return self.start_run(prompts, params, "cmpl"), texts
 
-    def _params(self, request: CompletionRequest, prompt: list[int]) -> SamplingParams:
+    def _params(
+        self,
+        request: CompletionRequest,
+        prompt: list[int],
+        constraint: StructuredOutputsParams | None,
+    ) -> SamplingParams:
         minimum = 0 if request.echo else 1  # echo with max_tokens 0: the prompt only
         self.check_max_tokens(len(prompt), request.max_tokens, "max_tokens", minimum)
         max_tokens = request.max_tokens
@@ -79,7 +86,9 @@ class CompletionServing(OpenAIServing):
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is None and request.echo:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get logprobs too
-        return self.make_params(request, max_tokens, request.logprobs, prompt_logprobs)
+        return self.make_params(
+            request, max_tokens, request.logprobs, prompt_logprobs, structured_outputs=constraint
+        )
 
     def prompts(self, request: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         """Token ids and text of each prompt (text is used by echo)."""

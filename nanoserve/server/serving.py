@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 from nanoserve.output_processor import TOKEN_TEXT_CACHE_SIZE, OutputProcessor
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.api_models import SamplingFields, StreamOptions
 from nanoserve.server.engine_client import EngineClient, EngineDeadError
 from nanoserve.server.errors import APIError
@@ -131,6 +131,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams (n choices; the output processor fans them out).
 
@@ -161,7 +162,12 @@ class OpenAIServing:
             values["top_k"] = min(request.top_k, self.num_token_ids)  # ≥ vocab: no filter
         if prompt_logprobs is None:
             prompt_logprobs = request.prompt_logprobs
-        values.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        values.update(
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs,
+        )
         try:
             params = SamplingParams(**values)
             params.validate_for_vocab(self.num_token_ids)
