@@ -339,7 +339,7 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
     )
     add_arguments(parser)
-    parser.set_defaults(handler=run_chat)
+    parser.set_defaults(handler=run_chat, command_parser=parser)
 
 
 def _setup_readline(history_file: str) -> Callable[[], None]:
