@@ -23,6 +23,7 @@ from typing import Any
 from nanoserve import __version__
 from nanoserve.checkpoint import DEMO_MODEL_NAME
 from nanoserve.config import DTYPES, LOAD_FORMATS, EngineConfig
+from nanoserve.help_format import DefaultsHelpFormatter
 from nanoserve.model_arguments import add_hub_flags, check_model_arguments
 
 logger = logging.getLogger("nanoserve")
@@ -50,24 +51,13 @@ def config_default(config_class: type, name: str) -> Any:
     return {f.name: f.default for f in dataclasses.fields(config_class)}[name]
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    """Shows a flag's default unless its help already explains it or there is none."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        default = action.default
-        if "default" in help_text or default in (None, argparse.SUPPRESS) or action.nargs == 0:
-            return help_text
-        return f"{help_text} (default: %(default)s)"
-
-
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a Hugging Face checkpoint over an OpenAI-compatible HTTP API with SSE "
         "streaming. The HTTP front runs in this process; the model runs in a worker process.",
-        formatter_class=_HelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     _add_model_flags(parser)
     _add_http_flags(parser)
@@ -103,7 +93,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--chat-template",
-        help="chat template to use instead of the checkpoint's: a Jinja string or a .jinja file",
+        help="a chat template (a Jinja string or a .jinja file) to use instead of the "
+        "checkpoint's (default: the checkpoint's own)",
     )
 
 
