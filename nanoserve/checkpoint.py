@@ -173,11 +173,12 @@ def preset_path(model_id: str) -> Path | None:
 
 
 def make_dummy_model_dir(model_id: str, cache_dir: Path | None = None) -> Path:
-    """A directory with the preset config.json of `model_id` and a byte-level tokenizer.
+    """A directory with the preset config.json of `model_id` and a byte-level tokenizer that
+    decodes every id of the model's vocabulary to visible text.
 
-    Kept under $NANOSERVE_CACHE_DIR (default ~/.cache/nanoserve)/dummy so that other processes
-    (the front's tokenizer) can load it by path. Written to a temporary directory first and
-    renamed into place, so a concurrent reader never sees half a directory.
+    Kept under $NANOSERVE_CACHE_DIR (default ~/.cache/nanoserve)/dummy-checkpoints so that other
+    processes (the front's tokenizer) can load it by path. Written to a temporary directory first
+    and renamed into place, so a concurrent reader never sees half a directory.
     """
     preset = preset_path(model_id)
     if preset is None:
@@ -185,19 +186,21 @@ def make_dummy_model_dir(model_id: str, cache_dir: Path | None = None) -> Path:
             f"no preset for {model_id!r}; presets: {', '.join(available_presets())}"
         )
     root = Path(cache_dir or os.environ.get("NANOSERVE_CACHE_DIR", "~/.cache/nanoserve"))
-    root = root.expanduser() / "dummy"
+    root = root.expanduser() / "dummy-checkpoints"
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError:  # e.g. a read-only home directory
-        root = Path(tempfile.gettempdir()) / "nanoserve" / "dummy"
+        root = Path(tempfile.gettempdir()) / "nanoserve" / "dummy-checkpoints"
         root.mkdir(parents=True, exist_ok=True)
     target = root / model_id.replace("/", "--")
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".staging-"))
     shutil.copyfile(preset, staging / "config.json")
-    max_len = json.loads(preset.read_text())["max_position_embeddings"]
-    save_byte_level_tokenizer(staging, model_max_length=max_len)
+    raw = json.loads(preset.read_text())
+    save_byte_level_tokenizer(
+        staging, model_max_length=raw["max_position_embeddings"], vocab_size=raw["vocab_size"]
+    )
     try:
         staging.rename(target)
     except OSError:  # another process got there first; its copy is identical

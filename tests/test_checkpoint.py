@@ -13,6 +13,7 @@ from nanoserve.checkpoint import (
     ModelLoadError,
     load_generation_config_eos,
     load_model_config,
+    make_dummy_model_dir,
     resolve_checkpoint,
     resolve_tokenizer,
 )
@@ -224,3 +225,18 @@ def test_the_demo_model_has_a_short_name():
 def test_missing_tokenizer_directory_is_named(tmp_path):
     with pytest.raises(ModelLoadError, match="tokenizer directory .*nope.* does not exist"):
         resolve_tokenizer(str(tmp_path / "nope"))
+
+
+def test_dummy_checkpoints_decode_every_id_to_visible_text(tmp_path):
+    """Random weights sample ids all over a real vocabulary; each must read as text."""
+    from transformers import AutoTokenizer
+
+    model_dir = make_dummy_model_dir("Qwen/Qwen3-0.6B", cache_dir=tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab_size = load_model_config(model_dir).vocab_size
+    assert len(tokenizer) == vocab_size
+    sampled_ids = [259, 1000, 70_000, vocab_size - 1]
+    text = tokenizer.decode(sampled_ids)
+    assert len(text.split()) == len(sampled_ids) and text.replace(" ", "").isalpha(), text
+    assert tokenizer.encode("héllo ✓") == list("héllo ✓".encode())  # bytes, never filler words
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 258
