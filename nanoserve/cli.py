@@ -85,7 +85,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--load-format", default=config_default(EngineConfig, "load_format"), choices=LOAD_FORMATS,
-        help="dummy: random weights from the config (for benchmarks)",
+        help="auto or safetensors: the checkpoint's *.safetensors weights; dummy: random weights "
+        "from the config (benchmarks)",
     )  # fmt: skip
     parser.add_argument(
         "--seed", type=int, default=config_default(EngineConfig, "seed"),

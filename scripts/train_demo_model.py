@@ -101,6 +101,15 @@ CHAT_TEMPLATE = (
 
 SAMPLE_PROMPT = "def fibonacci(n):"
 SAMPLE_TOKENS = 48
+# Everyday openings whose greedy completions the model card shows (and tests check).
+OPENINGS = (
+    "import os\n",
+    "def read_lines(path):\n",
+    "class Stack:\n",
+    "for i in range(10):\n",
+    'if __name__ == "__main__":\n',
+)
+OPENING_TOKENS = 64
 
 
 def log(msg: str) -> None:
@@ -567,6 +576,10 @@ Chat (user message `{s["chat_user"]!r}`), greedy reply:
 {s["sample_chat"]!r}
 ```
 
+Greedy completions ({OPENING_TOKENS} tokens) of everyday openings:
+
+{s["sample_openings"]}
+
 ## License
 
 The weights and tokenizer are derived solely from the CPython standard library source, which
@@ -614,6 +627,10 @@ def generate_samples(out: Path) -> dict[str, str]:
         [{"role": "user", "content": chat_user}], tokenize=False, add_generation_prompt=True
     )
     samples["sample_chat"] = gen(chat_prompt, 64, do_sample=False)
+    samples["sample_openings"] = "\n\n".join(
+        f"```python\n{opening}{gen(opening, OPENING_TOKENS, do_sample=False)}\n```"
+        for opening in OPENINGS
+    )
     return samples
 
 
@@ -649,11 +666,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower on CPU)")
     p.add_argument("--stdlib", type=Path, default=None, help="override the stdlib directory")
+    p.add_argument(
+        "--samples-of",
+        type=Path,
+        default=None,
+        help="print the greedy samples of this checkpoint directory and exit (no training)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.samples_of is not None:
+        for name, text in generate_samples(args.samples_of).items():
+            log(f"--- {name}\n{text}")
+        return
     t_start = time.time()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
