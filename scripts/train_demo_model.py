@@ -101,13 +101,14 @@ CHAT_TEMPLATE = (
 
 SAMPLE_PROMPT = "def fibonacci(n):"
 SAMPLE_TOKENS = 48
-# Everyday openings whose greedy completions the model card shows (and tests check).
+# Everyday openings whose greedy completions the model card shows (and tests check). No
+# trailing newline: the tokenizer merges a newline with the indentation after it.
 OPENINGS = (
-    "import os\n",
-    "def read_lines(path):\n",
-    "class Stack:\n",
-    "for i in range(10):\n",
-    'if __name__ == "__main__":\n',
+    "import os",
+    "def read_lines(path):",
+    "class Stack:",
+    "for i in range(10):",
+    'if __name__ == "__main__":',
 )
 OPENING_TOKENS = 64
 
@@ -429,6 +430,16 @@ def write_model_card(out: Path, info: dict) -> None:
                 f"{s['n_heldout']} files, {s['heldout_kb']:.0f} kB",
             ),
             ("training tokens (corpus)", f"{s['train_tokens']:,}"),
+            *(
+                [
+                    (
+                        "initialised from",
+                        f"`{s['init_from']}` (held-out {s['init_bpb']:.3f} bits/byte)",
+                    )
+                ]
+                if s["init_from"]
+                else []
+            ),
             ("seed", str(s["seed"])),
             (
                 "steps × batch × sequence",
@@ -667,6 +678,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower on CPU)")
     p.add_argument("--stdlib", type=Path, default=None, help="override the stdlib directory")
     p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue training this checkpoint (its shape and tokenizer) instead of a new model",
+    )
+    p.add_argument(
         "--samples-of",
         type=Path,
         default=None,
@@ -702,9 +719,14 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(r for r, _ in heldout)
     )
 
-    # ---- tokenizer
+    # ---- tokenizer (trained here, or the one of the checkpoint training continues from)
     t0 = time.time()
-    tok = train_tokenizer([t for _, t in train], args.vocab_size)
+    if args.init_from is not None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+    else:
+        tok = train_tokenizer([t for _, t in train], args.vocab_size)
     tok_s = time.time() - t0
     vocab = tok.get_vocab_size()
     special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -736,9 +758,28 @@ def main(argv: list[str] | None = None) -> None:
         train_stream, args.seq_len, args.seed, seq_ids, args.fim_rate, args.chat_rate
     )
 
-    # ---- model
-    config = build_config(args, vocab, eot_id, im_end_id)
-    model = Qwen3ForCausalLM(config)
+    # ---- model (new, or a checkpoint to continue training: its shape overrides the flags)
+    init_eval = None
+    if args.init_from is not None:
+        model = Qwen3ForCausalLM.from_pretrained(args.init_from).float()
+        shape = {
+            "layers": "num_hidden_layers",
+            "hidden": "hidden_size",
+            "intermediate": "intermediate_size",
+            "heads": "num_attention_heads",
+            "kv_heads": "num_key_value_heads",
+            "head_dim": "head_dim",
+            "max_positions": "max_position_embeddings",
+        }
+        for arg_name, config_key in shape.items():
+            setattr(args, arg_name, getattr(model.config, config_key))
+        init_eval = evaluate(model, eval_stream, byte_len, args.seq_len, eot_id)
+        log(
+            f"held-out before training ({args.init_from}): loss {init_eval['loss']:.4f} "
+            f"nats/token, {init_eval['bpb']:.4f} bits/byte"
+        )
+    else:
+        model = Qwen3ForCausalLM(build_config(args, vocab, eot_id, im_end_id))
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     log(
@@ -881,6 +922,8 @@ def main(argv: list[str] | None = None) -> None:
         "eval_tokens": ev["tokens"],
         "eval_bytes": ev["bytes"],
         "train_loss": sum(recent) / len(recent),
+        "init_from": args.init_from,
+        "init_bpb": init_eval["bpb"] if init_eval else None,
     }
     write_model_card(out, info)
     total_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
