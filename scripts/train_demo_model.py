@@ -332,10 +332,14 @@ def add_legacy_config_keys(path: Path, rope_theta: float) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
+def lr_at(step: int, args: argparse.Namespace, time_fraction: float | None = None) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio × lr over the steps, or over the time
+    budget when one is given (`time_fraction`: the share of it used so far)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    if time_fraction is not None:
+        progress = min(1.0, time_fraction)
     min_lr = args.lr * args.min_lr_ratio
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
@@ -655,6 +659,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output checkpoint directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1200, help="optimizer steps (fixed, not timed)")
+    p.add_argument(
+        "--time-budget-min",
+        type=float,
+        default=None,
+        help="on a shared machine: stop after this many minutes of training (at most --steps), "
+        "the learning rate decaying over the time instead of the steps; the card records the "
+        "steps done",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -803,8 +815,14 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = args.batch_size * args.seq_len
     t_train = time.time()
     recent: list[float] = []
+    budget_s = args.time_budget_min * 60 if args.time_budget_min else None
     for step in range(args.steps):
-        lr = lr_at(step, args)
+        time_fraction = (time.time() - t_train) / budget_s if budget_s else None
+        if time_fraction is not None and time_fraction >= 1.0:
+            log(f"time budget of {args.time_budget_min} min used: stopping after {step} steps")
+            args.steps = step
+            break
+        lr = lr_at(step, args, time_fraction)
         for group in opt.param_groups:
             group["lr"] = lr
         batch = sampler.batch(args.batch_size)

@@ -227,12 +227,8 @@ class Server:
                     f"arm {self.spec.name} exited with code {self.process.returncode} before it "
                     f"was ready; last lines of {self.log_path}:\n{self.log_tail()}"
                 )
-            for path in ("/health", "/v1/models"):
-                try:
-                    if httpx.get(self.base_url + path, timeout=5).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass  # not listening yet
+            if self._is_ready():
+                return
             time.sleep(0.25)
         self.stop()
         if self.process is None:
@@ -245,6 +241,20 @@ class Server:
             f"arm {self.spec.name} did not answer at {self.base_url}/health or /v1/models "
             f"within {self.ready_timeout_s:.0f} s ({flag}); {where}"
         )
+
+    def _is_ready(self) -> bool:
+        """/health says 200; a server without /health (404) is ready once /v1/models answers.
+
+        A /health that answers anything else (503 while a model loads) is not ready, whatever
+        /v1/models says.
+        """
+        try:
+            health = httpx.get(self.base_url + "/health", timeout=5).status_code
+            if health != 404:
+                return health == 200
+            return httpx.get(self.base_url + "/v1/models", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False  # not listening yet
 
     def _version(self) -> str | None:
         """What /version says (nanoserve and vLLM have it), or None."""

@@ -143,7 +143,7 @@ def test_preset_builds_with_published_shapes(model_id, tmp_path, monkeypatch):
     # The meta device checks every shape without allocating gigabytes.
     config = EngineConfig(model=model_id, load_format="dummy")
     model, model_config, model_dir = load_model(config, device="meta")
-    assert model_dir == tmp_path / "dummy" / model_id.replace("/", "--")
+    assert model_dir == tmp_path / "dummy-checkpoints" / model_id.replace("/", "--")
     assert (model_dir / "tokenizer.json").is_file()
     assert model_config.torch_dtype == "bfloat16"
     assert next(model.parameters()).dtype == torch.bfloat16  # `auto` keeps the checkpoint dtype
