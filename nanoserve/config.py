@@ -170,7 +170,7 @@ class EngineConfig:
         _require(
             self.max_model_len <= max_positions,
             f"max_model_len ({self.max_model_len}) is larger than the model's "
-            f"max_position_embeddings ({max_positions})",
+            f"max_position_embeddings ({max_positions}); use max_model_len {max_positions} or less",
         )
         return self.max_model_len
 

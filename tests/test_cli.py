@@ -61,7 +61,10 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--block-size", "3"], "--block-size must be a power of two ≥ 1, got 3"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be ≥ 1, got 0"),
-        (["--max-model-len", "999999"], "--max-model-len (999999) is larger than the model's"),
+        (
+            ["--max-model-len", "999999"],
+            "the model's max_position_embeddings (512); use --max-model-len 512 or less",
+        ),
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be ≥ 1, got 0"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
         (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1MiB would hold it"),
