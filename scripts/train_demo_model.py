@@ -419,6 +419,12 @@ def md_table(rows: list[tuple[str, str]], header: tuple[str, str] = ("", "")) ->
 
 def write_model_card(out: Path, info: dict) -> None:
     s = info
+    history = f"trained from scratch in {s['wall_min']:.1f} minutes on {s['threads']} CPU threads"
+    if s["init_from"]:
+        history = (
+            f"whose training continued `{s['init_from']}` (held-out {s['init_bpb']:.3f} bits/byte) "
+            f"for {s['wall_min']:.1f} minutes on {s['threads']} CPU threads"
+        )
     plain_pct = 100 - s["fim_pct"] - s["chat_pct"]
     train_table = md_table(
         [
@@ -507,10 +513,10 @@ tags:
 
 # nanoserve demo model (toy Python code completer)
 
-A **tiny** ({s["params_m"]:.2f}M parameters) `Qwen3ForCausalLM` trained from scratch, in
-{s["wall_min"]:.1f} minutes on {s["threads"]} CPU threads, on the Python standard library's own
-source code. It ships inside the `nanoserve` package so that `nanoserve serve` works out of the
-box with no download, and so that tests and demos have a real (non-random) checkpoint.
+A **tiny** ({s["params_m"]:.2f}M parameters) `Qwen3ForCausalLM` {history}, on the Python
+standard library's own source code. It ships inside the `nanoserve` package so that
+`nanoserve serve` works out of the box with no download, and so that tests and demos have a
+real (non-random) checkpoint.
 
 **What it is:** a toy that continues Python source with Python-looking text (indentation,
 docstrings, `self.`, `return`, ...) that is mostly nonsense. **What it is not:** a chat
