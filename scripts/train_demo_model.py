@@ -574,20 +574,20 @@ windows, evaluated with the saved bf16 weights in fp32:
 
 Greedy decoding with `transformers`, prompt `{SAMPLE_PROMPT}`, {SAMPLE_TOKENS} new tokens:
 
-```python
+```text
 {s["sample_greedy"]}
 ```
 
 Sampled (temperature 0.7, top-p 0.95, `torch.manual_seed(0)`), same prompt:
 
-```python
+```text
 {s["sample_temp"]}
 ```
 
 Fill-in-the-middle, greedy (prompt
 `<|fim_prefix|>{s["fim_prefix"]!r}<|fim_suffix|>{s["fim_suffix"]!r}<|fim_middle|>`), middle:
 
-```python
+```text
 {s["sample_fim"]!r}
 ```
 
@@ -597,7 +597,7 @@ Chat (user message `{s["chat_user"]!r}`), greedy reply:
 {s["sample_chat"]!r}
 ```
 
-Greedy completions ({OPENING_TOKENS} tokens) of everyday openings:
+Greedy completions ({OPENING_TOKENS} tokens) of everyday openings (model output, verbatim):
 
 {s["sample_openings"]}
 
@@ -649,7 +649,7 @@ def generate_samples(out: Path) -> dict[str, str]:
     )
     samples["sample_chat"] = gen(chat_prompt, 64, do_sample=False)
     samples["sample_openings"] = "\n\n".join(
-        f"```python\n{opening}{gen(opening, OPENING_TOKENS, do_sample=False)}\n```"
+        f"```text\n{opening}{gen(opening, OPENING_TOKENS, do_sample=False)}\n```"
         for opening in OPENINGS
     )
     return samples
