@@ -156,6 +156,7 @@ def test_the_loop_detector_catches_the_old_demo_loops():
 # The openings whose greedy completions look like Python since the retraining (see the model
 # card); "for i in range(10):", 'if __name__ == "__main__":' and "def fibonacci(n):" still
 # loop at temperature 0.
+@pytest.mark.slow
 @pytest.mark.parametrize("opening", ["import os", "def read_lines(path):", "class Stack:"])
 def test_greedy_completions_of_everyday_openings_look_like_python(tokenizer, model, opening):
     ids = tokenizer(opening, return_tensors="pt")["input_ids"]
