@@ -2,11 +2,17 @@
 
 Tests and dummy-weight checkpoints need a real `tokenizer.json` without a hub download. Every
 byte string round-trips through it, and multi-byte characters span several tokens, which is
-exactly what the streaming detokenizer must handle.
+exactly what the streaming detokenizer must handle. For a model with a larger vocabulary (a
+dummy checkpoint of a real shape), the ids past the byte and special tokens are filler words
+(" aa", " ab", ...) that text never encodes to, so that every id the model samples decodes to
+visible text.
 """
 
 from __future__ import annotations
 
+import itertools
+import string
+from collections.abc import Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -56,13 +62,18 @@ CHATML_TEMPLATE = (
 )
 
 
-def build_byte_level_tokenizer() -> Tokenizer:
-    """Token id i (< 256) is byte i; special tokens follow at 256, 257, 258."""
+def build_byte_level_tokenizer(vocab_size: int | None = None) -> Tokenizer:
+    """Token id i (< 256) is byte i; special tokens follow at 256, 257, 258; with `vocab_size`,
+    filler words take the ids from 259 up to it."""
     byte_to_char = ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
     # ByteLevel.alphabet() is unordered; rebuild GPT-2's byte -> unicode table to order it by byte.
     ordered = _bytes_to_unicode()
     assert set(ordered.values()) == set(byte_to_char)
     vocab = {ordered[b]: b for b in range(NUM_BYTE_TOKENS)}
+    vocab.update({token: NUM_BYTE_TOKENS + i for i, token in enumerate(SPECIAL_TOKENS)})
+    space = ordered[ord(" ")]
+    filler_ids = range(len(vocab), vocab_size or 0)
+    vocab.update({space + word: i for i, word in zip(filler_ids, _filler_words(), strict=False)})
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -70,18 +81,27 @@ def build_byte_level_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def save_byte_level_tokenizer(directory: str | Path, model_max_length: int = 4096) -> None:
+def save_byte_level_tokenizer(
+    directory: str | Path, model_max_length: int = 4096, vocab_size: int | None = None
+) -> None:
     """Write tokenizer.json and tokenizer_config.json (with a ChatML template) to `directory`."""
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=build_byte_level_tokenizer(),
+        tokenizer_object=build_byte_level_tokenizer(vocab_size),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         model_max_length=model_max_length,
     )
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(str(directory))
+
+
+def _filler_words() -> Iterator[str]:
+    """'aa', 'ab', ..., 'zz', 'aaa', ...: as many distinct lowercase words as asked for."""
+    for length in itertools.count(2):
+        for letters in itertools.product(string.ascii_lowercase, repeat=length):
+            yield "".join(letters)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

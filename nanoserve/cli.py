@@ -19,12 +19,14 @@ import signal
 import sys
 from pathlib import Path
 
+from nanoserve import __version__
+from nanoserve.checkpoint import DEMO_MODEL_NAME
 from nanoserve.config import DTYPES, LOAD_FORMATS, EngineConfig
+from nanoserve.help_format import DefaultsHelpFormatter
+from nanoserve.model_arguments import add_hub_flags, check_model_arguments
 from nanoserve.serve_flags import add_parallel_flags, add_speed_flags, config_default
 
 logger = logging.getLogger("nanoserve")
-
-DEMO_MODEL_DIR = Path(__file__).parent / "assets" / "demo"
 
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _SIZE_UNITS.update({"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40})
@@ -44,15 +46,6 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    """Shows a flag's default unless its help already explains it or there is none."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        default = action.default
-        if "default" in help_text or default in (None, argparse.SUPPRESS) or action.nargs == 0:
-            return help_text
-        return f"{help_text} (default: %(default)s)"
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -61,33 +54,37 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a Hugging Face checkpoint over an OpenAI-compatible HTTP API with SSE "
         "streaming. The HTTP front runs in this process; the model runs in a worker process.",
-        formatter_class=_HelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     _add_model_flags(parser)
     _add_http_flags(parser)
     _add_limit_flags(parser)
     add_speed_flags(parser)
     add_parallel_flags(parser)
-    parser.set_defaults(handler=run_serve)
+    parser.set_defaults(handler=run_serve, command_parser=parser)
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     parser.add_argument(
         "--model",
-        help="checkpoint directory or Hugging Face hub id (e.g. Qwen/Qwen3-1.7B); default: the "
-        "small demo model shipped in the package (a toy that completes Python code)",
+        help=f"checkpoint directory or Hugging Face hub id (e.g. Qwen/Qwen3-1.7B); default: "
+        f"{DEMO_MODEL_NAME}, the small demo model shipped in the package (a toy that completes "
+        "Python code)",
     )
     parser.add_argument(
         "--dtype", default=config_default(EngineConfig, "dtype"), choices=["auto", *DTYPES],
-        help="weight and activation dtype (auto: the checkpoint's; float16 is bfloat16 on CPU)",
+        help="weight and activation dtype (auto: the checkpoint's, except that a float16 "
+        "checkpoint runs in bfloat16 on CPU; an explicit float16 stays float16, slow on CPU)",
     )  # fmt: skip
+    add_hub_flags(parser)
     parser.add_argument(
         "--device", default=config_default(EngineConfig, "device"), help="auto, cpu, cuda or cuda:N"
     )
     parser.add_argument(
         "--load-format", default=config_default(EngineConfig, "load_format"), choices=LOAD_FORMATS,
-        help="dummy: random weights from the config (for benchmarks)",
+        help="auto or safetensors: the checkpoint's *.safetensors weights; dummy: random weights "
+        "from the config (benchmarks)",
     )  # fmt: skip
     parser.add_argument(
         "--seed", type=int, default=config_default(EngineConfig, "seed"),
@@ -95,7 +92,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--chat-template",
-        help="chat template to use instead of the checkpoint's: a Jinja string or a .jinja file",
+        help="a chat template (a Jinja string or a .jinja file) to use instead of the "
+        "checkpoint's (default: the checkpoint's own)",
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -164,7 +162,8 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-memory",
         type=parse_bytes,
-        help="bytes for the KV cache, e.g. 4GiB (default on CPU: up to 2 GiB)",
+        help="CPU: bytes for the KV cache, e.g. 4GiB (default: what --max-num-seqs sequences of "
+        "--max-model-len tokens need, at most 2 GiB; on CUDA --gpu-memory-utilization decides)",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float,
@@ -197,12 +196,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         add_help=False,
     )
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(handler=lambda args: run_bench(args.bench_args))
+    parser.set_defaults(handler=lambda args: run_bench(args.bench_args), command_parser=parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description="A small LLM inference server.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_serve_parser(subparsers)
     add_chat_parser(subparsers)
     add_bench_parser(subparsers)
@@ -241,6 +241,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        revision=args.revision,
+        download_dir=args.download_dir,
     )
 
 
@@ -250,23 +252,50 @@ def check_engine_config(config: EngineConfig) -> Path:
     Returns the checkpoint directory, whose tokenizer the front loads. Raises ValueError.
     """
     from nanoserve.checkpoint import load_model_config, resolve_checkpoint
+    from nanoserve.startup import check_kv_cache_memory
 
-    model_dir = resolve_checkpoint(config.model, config.load_format, with_weights=False)
-    max_model_len = config.resolve_max_model_len(load_model_config(model_dir))
+    model_dir = resolve_checkpoint(
+        config.model,
+        config.load_format,
+        with_weights=False,
+        revision=config.revision,
+        download_dir=config.download_dir,
+    )
+    model_config = load_model_config(model_dir)
+    max_model_len = config.resolve_max_model_len(model_config)
     config.scheduler_config(max_model_len)  # the batch limits against that length
+    check_kv_cache_memory(config, model_config)
     return model_dir
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from nanoserve.server.app import ServerConfig
-    from nanoserve.tokenizer import load_tokenizer
-
-    model = args.model or args.model_pos or str(DEMO_MODEL_DIR)
+    model = args.model or args.model_pos or DEMO_MODEL_NAME
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.trust_remote_code:
+        logger.warning(
+            "--trust-remote-code has no effect: nanoserve runs its own model code for the "
+            "supported architectures and never code from a checkpoint"
+        )
     try:
         engine_config = engine_config_from_args(args, model)
+        model_dir = check_engine_config(engine_config)  # before torch or transformers load
+        if args.headless:  # no HTTP here: this node only runs its ranks
+            from nanoserve.worker.headless import run_headless
+
+            return run_headless(engine_config, args.log_level)
+        from nanoserve.startup import bind_socket
+
+        sock = bind_socket(args.host, args.port)  # a busy port is reported now, not after loading
+    except ValueError as e:
+        print(f"nanoserve serve: {with_flag_names(str(e))}", file=sys.stderr)
+        return 2
+    try:
+        from nanoserve.checkpoint import resolve_tokenizer
+        from nanoserve.server.app import ServerConfig
+        from nanoserve.tokenizer import load_tokenizer
+
         server_config = ServerConfig(
             model=model,
             served_model_names=tuple(args.served_model_name or [model]),
@@ -275,16 +304,14 @@ def run_serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
         )
-        model_dir = check_engine_config(engine_config)
-        if args.headless:
-            from nanoserve.worker.headless import run_headless
-
-            return run_headless(engine_config, args.log_level)
+        if args.tokenizer:
+            model_dir = resolve_tokenizer(args.tokenizer, args.download_dir)
         tokenizer = load_tokenizer(model_dir, chat_template=args.chat_template)
     except ValueError as e:
+        sock.close()
         print(f"nanoserve serve: {with_flag_names(str(e))}", file=sys.stderr)
         return 2
-    return _run_server(args, engine_config, server_config, tokenizer)
+    return _run_server(args, engine_config, server_config, tokenizer, sock)
 
 
 # EngineConfig fields whose flag is not the field's name with dashes.
@@ -299,11 +326,15 @@ def with_flag_names(message: str) -> str:
             continue
         flag = _FLAG_NAMES.get(field.name, "--" + field.name.replace("_", "-"))
         message = re.sub(rf"(?<![\w-]){field.name}\b", flag, message)
-    return message
+    # A one-word field with its value in quotes: "device 'cuda'" -> "--device cuda".
+    return re.sub(r"(?<![\w-])(device|dtype) '([^']*)'", r"--\1 \2", message)
 
 
-def _run_server(args: argparse.Namespace, engine_config: EngineConfig, server_config, tokenizer):
-    """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if the server never started."""
+def _run_server(
+    args: argparse.Namespace, engine_config: EngineConfig, server_config, tokenizer, sock
+) -> int:
+    """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 2 (bad settings) or 1 if the first
+    worker failed to start, 1 if the server never started."""
     import uvicorn
 
     from nanoserve.server.app import create_app
@@ -325,10 +356,16 @@ def _run_server(args: argparse.Namespace, engine_config: EngineConfig, server_co
     # re-raises the signal under the handlers it found: make those no-ops so we exit with 0.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None)
+    client.on_start_failed = lambda error: setattr(server, "should_exit", True)
+    logger.info("listening on http://%s:%d (Ctrl-C stops the server)", args.host, args.port)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         client.kill_now()  # after a forced exit the lifespan shutdown may not have run
+        sock.close()
+    if client.start_error is not None:
+        print(f"nanoserve serve: {with_flag_names(str(client.start_error))}", file=sys.stderr)
+        return 2 if client.start_error.is_config_error else 1
     return 0 if server.started else 1
 
 
@@ -336,7 +373,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every flag, --help included, belongs to the benchmark
         return run_bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if args.command is None:  # a bare `nanoserve`
+        parser.print_help()
+        return 0
+    if extras:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    if args.command == "serve":
+        check_model_arguments(args.command_parser, args, argv[argv.index("serve") + 1 :])
     return args.handler(args)
 
 

@@ -106,6 +106,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     load_format: str = "auto"  # auto (safetensors) | safetensors | dummy (random weights)
+    revision: str | None = None  # hub branch, tag or commit of `model`
+    download_dir: str | None = None  # hub cache directory (default: huggingface_hub's)
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 64
@@ -199,7 +201,7 @@ class EngineConfig:
         _require(
             self.max_model_len <= max_positions,
             f"max_model_len ({self.max_model_len}) is larger than the model's "
-            f"max_position_embeddings ({max_positions})",
+            f"max_position_embeddings ({max_positions}); use max_model_len {max_positions} or less",
         )
         return self.max_model_len
 

@@ -1,7 +1,7 @@
 """LLM: offline batch generation over the in-process engine, in vLLM's shape.
 
 from nanoserve import LLM, SamplingParams
-llm = LLM(model="path/to/checkpoint")
+llm = LLM()  # the demo model; or LLM(model="path/to/checkpoint"), LLM(model="Qwen/Qwen3-0.6B")
 outputs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+from nanoserve.checkpoint import DEMO_MODEL_NAME, resolve_tokenizer
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.output_processor import ChoiceState, OutputProcessor, PositionLogprobs
@@ -23,9 +24,13 @@ PromptType = str | list[int]
 class LLM:
     """Generate completions for many prompts at once with continuous batching."""
 
-    def __init__(self, model: str, tokenizer: str | None = None, **engine_args) -> None:
+    def __init__(
+        self, model: str = DEMO_MODEL_NAME, tokenizer: str | None = None, **engine_args
+    ) -> None:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
-        self.tokenizer = load_tokenizer(tokenizer or str(self.engine.model_path))
+        download_dir = self.engine.config.download_dir
+        tokenizer_dir = resolve_tokenizer(tokenizer, download_dir) if tokenizer else None
+        self.tokenizer = load_tokenizer(tokenizer_dir or self.engine.model_path)
         self._request_counter = itertools.count()
 
     def generate(

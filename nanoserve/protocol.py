@@ -123,6 +123,7 @@ class WorkerFailed(msgspec.Struct, tag="failed", array_like=True):
 
     message: str
     traceback: str
+    is_config_error: bool = False  # a bad setting or checkpoint (ValueError), not a bug
 
 
 ToFront = Ready | StepOutputs | RequestFailed | WorkerFailed

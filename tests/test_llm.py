@@ -119,3 +119,13 @@ def test_bad_parameters_raise_actionable_errors(llm):
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_llm_without_a_model_is_the_demo_model():
+    from nanoserve.checkpoint import DEMO_MODEL_DIR
+
+    default, named = LLM(), LLM("nanoserve-demo")
+    assert default.engine.model_path == named.engine.model_path == DEMO_MODEL_DIR
+    params = SamplingParams(temperature=0, max_tokens=8)
+    [a], [b] = default.generate("import os", params), named.generate("import os", params)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 8

@@ -76,6 +76,7 @@ TO_FRONT = [
     StepOutputs(deltas=[], stats=EngineStats()),
     RequestFailed("a", "prompt too long"),
     WorkerFailed("RuntimeError: boom", "Traceback ..."),
+    WorkerFailed("kv_cache_memory is too small", "", is_config_error=True),
 ]
 
 

@@ -151,18 +151,23 @@ class Engine:
             wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def warm_up(self) -> None:
-        """Run a prefill and decode steps at batch sizes 1 and 2 before serving.
+        """Prefill, then decode steps at batch sizes 1 and 2 before serving.
 
-        Lazy initialisation (and, with `compile_decode`, compilation for dynamic batch sizes)
-        happens here instead of inside the first users' requests.
+        Lazy initialisation happens here instead of inside the first users' requests. With
+        `compile_decode` the decode steps also cross from a one-block context into a second
+        block: torch.compile specializes sizes 1 apart from larger ones, both of the batch and
+        of the block-table width, so the four graphs the first requests need (and that every
+        larger batch and context reuses) are compiled before Ready.
         """
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        self.add_request("warmup-0", [1, 2, 3, 4], params)
-        for _ in range(2):
-            self.step()
-        self.add_request("warmup-1", [5, 6, 7], params)
-        while self.has_unfinished_requests():
-            self.step()
+        num_tokens = 2
+        if self.config.use_compiled_decode:
+            num_tokens = min(self.runner.block_size + 2, self.max_model_len - 2)
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+        for request_ids in (["warmup-0"], ["warmup-1", "warmup-2"]):
+            for index, request_id in enumerate(request_ids):
+                self.add_request(request_id, [1 + index, 2 + index], params)
+            while self.has_unfinished_requests():
+                self.step()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

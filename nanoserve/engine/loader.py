@@ -52,7 +52,10 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
+        raise ValueError(
+            f"device '{device}' was asked for, but this torch ({torch.__version__}) sees no CUDA "
+            "device; use device 'cpu' (device 'auto' picks CUDA when there is one)"
+        )
     return torch.device(device)
 
 
@@ -82,16 +85,21 @@ def load_model(
     slice by slice: no process ever holds the whole model.
     """
     device = torch.device(device) if device is not None else resolve_device(config.device)
-    model_dir = resolve_checkpoint(config.model, config.load_format)
+    model_dir = resolve_checkpoint(
+        config.model,
+        config.load_format,
+        revision=config.revision,
+        download_dir=config.download_dir,
+    )
     model_config = load_model_config(model_dir)
     dtype = dtype or resolve_dtype(config.dtype, model_config.torch_dtype, device)
     model = build_model(model_config, device, dtype, tp)
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters())  # a tied head is counted once
     logger.info(
-        "%s: %s, %.2fB parameters, %s on %s",
+        "%s: %s, %s parameters, %s on %s",
         config.model,
         model_config.architecture,
-        num_params / 1e9,
+        format_count(num_params),
         str(dtype).removeprefix("torch."),
         device,
     )
@@ -100,6 +108,14 @@ def load_model(
     else:
         load_weights(model, model_dir)
     return LoadedModel(model, model_config, model_dir)
+
+
+def format_count(count: int) -> str:
+    """4197120 -> '4.20M', 1720574976 -> '1.72B': a parameter count as people write it."""
+    for divisor, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= divisor:
+            return f"{count / divisor:.2f}{suffix}"
+    return str(count)
 
 
 def build_model(
@@ -213,11 +229,15 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             f"missing tensors {_preview(missing)}; unexpected tensors {_preview(unexpected)}"
         )
 
-    total = len(found)
-    log_every = max(1, total // 10)
-    done = 0
     with torch.no_grad():
         for shard_index, file in enumerate(files, start=1):
+            logger.info(
+                "loading weights: shard %d/%d (%s, %.1f MB)",
+                shard_index,
+                len(files),
+                file.name,
+                file.stat().st_size / 1e6,
+            )
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in names_by_file[file]:
                     destination, source = destinations[name]
@@ -229,16 +249,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                         )
                     destination.copy_(tensor)  # casts to the model dtype, moves to its device
                     del tensor
-                    done += 1
-                    if done % log_every == 0 or done == total:
-                        logger.info(
-                            "loading weights: shard %d/%d, %d/%d tensors",
-                            shard_index,
-                            len(files),
-                            done,
-                            total,
-                        )
-    logger.info("loaded %d tensors in %.1f s", total, time.perf_counter() - started)
+    logger.info("loaded %d tensors in %.1f s", len(found), time.perf_counter() - started)
 
 
 def _read_fp8_scales(files: list[Path]) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 from nanoserve.output_processor import TOKEN_TEXT_CACHE_SIZE, OutputProcessor
+from nanoserve.protocol import Ready
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.api_models import SamplingFields, StreamOptions
 from nanoserve.server.engine_client import EngineClient, EngineDeadError
@@ -60,14 +61,17 @@ class OpenAIServing:
 
     @property
     def max_model_len(self) -> int:
-        assert self.client.info is not None
-        return self.client.info.max_model_len
+        return self._engine_info().max_model_len
 
     @property
     def num_token_ids(self) -> int:
         """Token ids a prompt may use: known to the tokenizer and inside the model's vocab."""
-        assert self.client.info is not None
-        return min(self.client.info.vocab_size, len(self.tokenizer))
+        return min(self._engine_info().vocab_size, len(self.tokenizer))
+
+    def _engine_info(self) -> Ready:
+        if self.client.info is None:  # the first worker is still loading the model
+            raise service_unavailable("the model worker is loading the model; retry shortly")
+        return self.client.info
 
     def check_model(self, model: str | None) -> None:
         """Unknown names are a 404; a missing or empty name means the served model (vLLM)."""

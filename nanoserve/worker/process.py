@@ -138,6 +138,9 @@ def run_worker(
         )
         serve_engine(engine, sockets.recv, sockets.send, lambda: os.getppid() != parent_pid)
         return 0
+    except ValueError as e:  # a setting or checkpoint the engine refused: the front says why
+        sockets.send(WorkerFailed(message=str(e), traceback="", is_config_error=True))
+        return 1
     except Exception as e:
         logger.exception("worker failed")
         message = f"{type(e).__name__}: {e}"
