@@ -46,8 +46,6 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-
-
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
