@@ -14,16 +14,20 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nanoserve.chat_reply import ReplyStats, chat_text, completion_text, stream_reply
+from nanoserve.help_format import DefaultsHelpFormatter
 from nanoserve.openai_http_client import ClientError, OpenAIServer
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_HISTORY_FILE = "~/.nanoserve_chat_history"
+# Without /max, a reply may take a quarter of the context (at most 512 tokens): the rest is
+# left to the conversation, so that the next turn still fits.
+REPLY_SHARE_OF_CONTEXT = 4
+MAX_DEFAULT_REPLY_TOKENS = 512
 
 HELP = """\
 Type a message and press Enter. Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the prompt quits.
@@ -38,36 +42,6 @@ Type a message and press Enter. Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the pr
   /help          this help
   /quit          leave (also /exit)"""
 
-# C0 and C1 control characters except newline and tab: a model's output must not be able to move
-# the cursor, clear the screen or send escape sequences to the terminal.
-_CONTROL_CHARS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if c not in (9, 10)}
-
-
-@dataclass
-class ReplyStats:
-    """Timing and token counts of one streamed reply."""
-
-    ttft_s: float | None = None  # from sending the request to the first text
-    decode_s: float = 0.0  # from the first text to the last
-    num_tokens: int = 0  # the server's usage count when it sent one, else the text chunks
-    num_prompt_tokens: int | None = None
-    finish_reason: str | None = None
-    is_interrupted: bool = False
-
-    def describe(self) -> str:
-        parts = [f"ttft {self.ttft_s:.3f} s" if self.ttft_s is not None else "no text"]
-        parts.append(f"{self.num_tokens} tokens")
-        if self.num_tokens > 1 and self.decode_s > 0:
-            # The tokens after the first over the time after the first: the decode speed.
-            parts.append(f"{(self.num_tokens - 1) / self.decode_s:.1f} tokens/s")
-        if self.num_prompt_tokens is not None:
-            parts.append(f"prompt {self.num_prompt_tokens} tokens")
-        if self.is_interrupted:
-            parts.append("interrupted")
-        elif self.finish_reason == "length":
-            parts.append("stopped at the token limit")
-        return " · ".join(parts)
-
 
 class ChatSession:
     """The conversation, the settings the commands change, and the read-reply loop."""
@@ -81,6 +55,7 @@ class ChatSession:
         self.extra_body: dict[str, Any] = args.extra_body
         self.is_raw: bool = args.raw
         self.messages: list[dict[str, str]] = []  # user and assistant turns, no system prompt
+        self.model_cards: list[dict[str, Any]] | None = None  # /v1/models, fetched once
         self.raw_text = ""  # raw mode: everything typed and generated so far
         self.use_color = use_color
 
@@ -173,12 +148,36 @@ class ChatSession:
     # -- requests
 
     def resolve_model(self) -> str:
+        if self.model_cards is None:
+            try:
+                self.model_cards = self.server.list_models()
+            except ClientError as e:
+                if self.model is None:
+                    raise
+                self.model_cards = []
+                self.info(
+                    f"could not list the models ({e}); replies take the server's default length"
+                )
         if self.model is None:
-            models = self.server.list_models()
-            if not models:
+            if not self.model_cards:
                 raise ClientError(f"{self.server.url} serves no models; give one with --model")
-            self.model = models[0]
+            self.model = self.model_cards[0]["id"]
         return self.model
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The model's context in tokens, when /v1/models says it (vLLM and nanoserve do)."""
+        for card in self.model_cards or []:
+            if card["id"] == self.model and isinstance(card.get("max_model_len"), int):
+                return card["max_model_len"] or None
+        return None
+
+    @property
+    def reply_max_tokens(self) -> int | None:
+        """/max if set, else a share of the context that leaves room for the next turn."""
+        if self.max_tokens is not None or self.max_model_len is None:
+            return self.max_tokens
+        return min(MAX_DEFAULT_REPLY_TOKENS, self.max_model_len // REPLY_SHARE_OF_CONTEXT)
 
     def request_messages(self) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -189,14 +188,34 @@ class ChatSession:
         body["stream_options"] = {"include_usage": True}
         if self.temperature is not None:
             body["temperature"] = self.temperature
-        if self.max_tokens is not None:
-            body["max_tokens"] = self.max_tokens
+        if self.reply_max_tokens is not None:
+            body["max_tokens"] = self.reply_max_tokens
         return {**body, **self.extra_body}
 
     def chat(self, text: str) -> None:
+        """Send the conversation and `text`; while it outgrows the context, drop the oldest
+        exchange and send it again."""
         question = {"role": "user", "content": text}
-        body = self.request_body(messages=[*self.request_messages(), question])
-        reply, stats = self.stream_reply("/v1/chat/completions", body, _chat_text)
+        num_dropped = 0
+        while True:
+            body = self.request_body(messages=[*self.request_messages(), question])
+            try:
+                reply, stats = self.stream_reply("/v1/chat/completions", body, chat_text)
+                break
+            except ClientError as e:
+                if not e.is_context_overflow:
+                    raise
+                if len(self.messages) < 2:
+                    raise ClientError(
+                        f"{e} (this message and a reply of up to {self.reply_max_tokens} tokens "
+                        "do not fit the model's context on their own: shorten it or lower /max)"
+                    ) from None
+                del self.messages[:2]
+                num_dropped += 1
+                self.info(
+                    f"the conversation outgrew the model's context ({self.max_model_len} tokens)"
+                    f": dropped the oldest exchange ({num_dropped} so far; /reset forgets all)"
+                )
         # An unanswered message (error, or ^C before any text) is left out, so that the user can
         # send it again; an interrupted reply is kept as far as it was shown.
         if reply or not stats.is_interrupted:
@@ -206,10 +225,14 @@ class ChatSession:
         body = self.request_body(prompt=self.raw_text + text)
         print(self.dim(text), end="", flush=True)  # so that the continuation reads on from it
         try:
-            continuation, _ = self.stream_reply("/v1/completions", body, _completion_text)
-        except ClientError:
+            continuation, _ = self.stream_reply("/v1/completions", body, completion_text)
+        except ClientError as e:
             if text:
                 print()  # the error goes on a line of its own
+            if e.is_context_overflow:
+                raise ClientError(
+                    f"{e} (the text outgrew the context: /reset starts afresh)"
+                ) from None
             raise
         self.raw_text += text + continuation
 
@@ -219,60 +242,10 @@ class ChatSession:
         body: dict[str, Any],
         text_of: Callable[[dict[str, Any]], tuple[str, str]],
     ) -> tuple[str, ReplyStats]:
-        """Print a streamed reply as it comes; its text and stats. Ctrl-C ends it early."""
-        stats = ReplyStats()
-        pieces: list[str] = []
-        num_chunks = 0
-        start = first = last = time.perf_counter()
-        chunks = self.server.stream(path, body)
-        try:
-            for chunk in chunks:
-                if chunk.get("usage"):
-                    stats.num_prompt_tokens = chunk["usage"].get("prompt_tokens")
-                    stats.num_tokens = chunk["usage"].get("completion_tokens") or 0
-                for choice in chunk.get("choices") or []:
-                    stats.finish_reason = choice.get("finish_reason") or stats.finish_reason
-                text, reasoning = text_of(chunk)
-                if not (text or reasoning):
-                    continue
-                last = time.perf_counter()
-                if num_chunks == 0:
-                    first = last
-                    stats.ttft_s = first - start
-                num_chunks += 1
-                if reasoning:
-                    sys.stdout.write(self.dim(reasoning.translate(_CONTROL_CHARS)))
-                if text:
-                    sys.stdout.write(text.translate(_CONTROL_CHARS))
-                    pieces.append(text)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            stats.is_interrupted = True
-            chunks.close()
-            self.server.reset_connections()  # the server sees the connection close and aborts
-        except ClientError:
-            if pieces:
-                print()
-            raise
-        if not stats.num_tokens:
-            stats.num_tokens = num_chunks
-        stats.decode_s = last - first
-        print()
+        """Print a streamed reply as it comes, then its stats line; its text and stats."""
+        text, stats = stream_reply(self.server, path, body, text_of, self.dim)
         self.info(stats.describe())
-        return "".join(pieces), stats
-
-
-def _chat_text(chunk: dict[str, Any]) -> tuple[str, str]:
-    """(content, reasoning) of a chat chunk's first choice."""
-    choices = chunk.get("choices") or [{}]
-    delta = choices[0].get("delta") or {}
-    reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
-    return delta.get("content") or "", reasoning
-
-
-def _completion_text(chunk: dict[str, Any]) -> tuple[str, str]:
-    choices = chunk.get("choices") or [{}]
-    return choices[0].get("text") or "", ""
+        return text, stats
 
 
 def _parse_number(text: str, kind: type, command: str, allowed: str) -> Any:
@@ -310,9 +283,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sent as 'Authorization: Bearer KEY' (default: $NANOSERVE_API_KEY or $OPENAI_API_KEY)",
     )
     parser.add_argument("--model", help="model name (default: the first one the server lists)")
-    parser.add_argument("--system", help="system prompt")
-    parser.add_argument("--temperature", type=float, help="sampling temperature")
-    parser.add_argument("--max-tokens", type=int, help="most tokens per reply")
+    parser.add_argument("--system", help="system prompt (default: none)")
+    parser.add_argument(
+        "--temperature", type=float, help="sampling temperature (default: the server's own)"
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"most tokens per reply (default: 1/{REPLY_SHARE_OF_CONTEXT} of the model's "
+        f"context, at most {MAX_DEFAULT_REPLY_TOKENS}, so that the next turn fits; the server's own"
+        " when /v1/models does not give the context length)",
+    )
     parser.add_argument("--raw", action="store_true", help="start in raw completion mode")
     parser.add_argument(
         "--extra-body",
@@ -337,9 +318,10 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
         "chat",
         help="chat with a running server in the terminal",
         description=__doc__.split("\n\n")[0],
+        formatter_class=DefaultsHelpFormatter,
     )
     add_arguments(parser)
-    parser.set_defaults(handler=run_chat)
+    parser.set_defaults(handler=run_chat, command_parser=parser)
 
 
 def _setup_readline(history_file: str) -> Callable[[], None]:
@@ -383,7 +365,11 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nanoserve chat", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="nanoserve chat",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=DefaultsHelpFormatter,
+    )
     add_arguments(parser)
     return run_chat(parser.parse_args(argv))
 

@@ -1,6 +1,7 @@
 """Finding a checkpoint and reading its config.json, without torch (both processes use it).
 
-    resolve_checkpoint   local directory | hub id (snapshot_download) | preset (load_format=dummy)
+    resolve_checkpoint   the demo name | local directory | hub id (snapshot_download) | preset
+    resolve_tokenizer    a tokenizer directory or hub id (--tokenizer), tokenizer files only
     weight_files         the safetensors files of a checkpoint (its index's shards, or every one)
     load_model_config    config.json (transformers 4.x and 5.x styles) -> ModelConfig
 
@@ -25,6 +26,9 @@ from nanoserve.config import ModelConfig
 logger = logging.getLogger("nanoserve.checkpoint")
 
 PRESETS_DIR = Path(__file__).parent / "presets"
+# The small model shipped in the package, served and loaded under a short name.
+DEMO_MODEL_NAME = "nanoserve-demo"
+DEMO_MODEL_DIR = Path(__file__).parent / "assets" / "demo"
 METADATA_PATTERNS = ["*.json", "tokenizer*", "*.jinja", "*.model", "*.txt"]
 WEIGHT_PATTERNS = ["*.safetensors"]
 
@@ -51,12 +55,21 @@ class ModelLoadError(ValueError):
 # Finding the checkpoint
 
 
-def resolve_checkpoint(model: str, load_format: str = "auto", with_weights: bool = True) -> Path:
+def resolve_checkpoint(
+    model: str,
+    load_format: str = "auto",
+    with_weights: bool = True,
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> Path:
     """A local checkpoint directory for `model` (a path or a hub id), checked for usable files.
 
-    `with_weights=False` (the front) downloads only config and tokenizer files from the hub; a
-    dummy load format never needs weights.
+    `nanoserve-demo` names the demo model shipped in the package. `with_weights=False` (the
+    front) downloads only config and tokenizer files from the hub; a dummy load format never
+    needs weights. `revision` and `download_dir` are the hub's branch, tag or commit and cache.
     """
+    if model == DEMO_MODEL_NAME:
+        return _check_checkpoint_dir(DEMO_MODEL_DIR, model, load_format, with_weights)
     path = Path(model).expanduser()
     if path.is_dir():
         return _check_checkpoint_dir(path, model, load_format, with_weights)
@@ -68,7 +81,20 @@ def resolve_checkpoint(model: str, load_format: str = "auto", with_weights: bool
         return make_dummy_model_dir(model)
     needs_weights = with_weights and load_format != "dummy"
     patterns = METADATA_PATTERNS + (WEIGHT_PATTERNS if needs_weights else [])
-    return _check_checkpoint_dir(_download(model, patterns), model, load_format, with_weights)
+    local_dir = _download(model, patterns, revision, download_dir)
+    return _check_checkpoint_dir(local_dir, model, load_format, with_weights)
+
+
+def resolve_tokenizer(name: str, download_dir: str | None = None) -> Path:
+    """A local directory with the tokenizer files of `name` (a directory, a hub id or the demo)."""
+    if name == DEMO_MODEL_NAME:
+        return DEMO_MODEL_DIR
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or _looks_like_path(name):
+        raise ModelLoadError(f"tokenizer directory {name!r} does not exist")
+    return _download(name, METADATA_PATTERNS, None, download_dir)
 
 
 def _looks_like_path(model: str) -> bool:
@@ -76,11 +102,17 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or model.count("/") > 1 or "\\" in model
 
 
-def _download(model: str, allow_patterns: list[str]) -> Path:
+def _download(
+    model: str, allow_patterns: list[str], revision: str | None, download_dir: str | None
+) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, allow_patterns=allow_patterns))
+        return Path(
+            snapshot_download(
+                model, allow_patterns=allow_patterns, revision=revision, cache_dir=download_dir
+            )
+        )
     except Exception as error:  # network, auth, unknown repo, offline cache miss: all reported
         presets = ", ".join(available_presets())
         raise ModelLoadError(
@@ -141,11 +173,12 @@ def preset_path(model_id: str) -> Path | None:
 
 
 def make_dummy_model_dir(model_id: str, cache_dir: Path | None = None) -> Path:
-    """A directory with the preset config.json of `model_id` and a byte-level tokenizer.
+    """A directory with the preset config.json of `model_id` and a byte-level tokenizer that
+    decodes every id of the model's vocabulary to visible text.
 
-    Kept under $NANOSERVE_CACHE_DIR (default ~/.cache/nanoserve)/dummy so that other processes
-    (the front's tokenizer) can load it by path. Written to a temporary directory first and
-    renamed into place, so a concurrent reader never sees half a directory.
+    Kept under $NANOSERVE_CACHE_DIR (default ~/.cache/nanoserve)/dummy-checkpoints so that other
+    processes (the front's tokenizer) can load it by path. Written to a temporary directory first
+    and renamed into place, so a concurrent reader never sees half a directory.
     """
     preset = preset_path(model_id)
     if preset is None:
@@ -153,19 +186,21 @@ def make_dummy_model_dir(model_id: str, cache_dir: Path | None = None) -> Path:
             f"no preset for {model_id!r}; presets: {', '.join(available_presets())}"
         )
     root = Path(cache_dir or os.environ.get("NANOSERVE_CACHE_DIR", "~/.cache/nanoserve"))
-    root = root.expanduser() / "dummy"
+    root = root.expanduser() / "dummy-checkpoints"
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError:  # e.g. a read-only home directory
-        root = Path(tempfile.gettempdir()) / "nanoserve" / "dummy"
+        root = Path(tempfile.gettempdir()) / "nanoserve" / "dummy-checkpoints"
         root.mkdir(parents=True, exist_ok=True)
     target = root / model_id.replace("/", "--")
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".staging-"))
     shutil.copyfile(preset, staging / "config.json")
-    max_len = json.loads(preset.read_text())["max_position_embeddings"]
-    save_byte_level_tokenizer(staging, model_max_length=max_len)
+    raw = json.loads(preset.read_text())
+    save_byte_level_tokenizer(
+        staging, model_max_length=raw["max_position_embeddings"], vocab_size=raw["vocab_size"]
+    )
     try:
         staging.rename(target)
     except OSError:  # another process got there first; its copy is identical
@@ -217,6 +252,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         qk_norm=architecture == "Qwen3ForCausalLM",
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or "float32",
         eos_token_ids=tuple(_token_ids(raw.get("eos_token_id"))),
+        quantization=_quantization(raw, config_path),
     )
 
 
@@ -236,6 +272,22 @@ def _check_supported(raw: dict[str, Any], config_path: Path) -> str:
     if raw.get("mlp_bias"):
         raise ModelLoadError(f"{config_path}: mlp_bias=true is not supported")
     return architecture
+
+
+def _quantization(raw: dict[str, Any], config_path: Path) -> dict | None:
+    """A checkpoint's quantization_config, if it is one we load (block-scaled FP8)."""
+    config = raw.get("quantization_config")
+    if config is None:
+        return None
+    method = config.get("quant_method")
+    if method != "fp8" or config.get("fmt", "e4m3") != "e4m3":
+        raise ModelLoadError(
+            f"{config_path}: quantization {method!r} ({config.get('fmt', '')}) is not supported; "
+            "supported: block-scaled fp8 (e4m3) checkpoints"
+        )
+    if config.get("activation_scheme", "dynamic") != "dynamic":
+        raise ModelLoadError(f"{config_path}: only dynamic FP8 activation scales are supported")
+    return dict(config)
 
 
 def check_rope_scaling(rope_scaling: dict | None) -> None:

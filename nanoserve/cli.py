@@ -13,53 +13,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
+from nanoserve import __version__
+from nanoserve.checkpoint import DEMO_MODEL_NAME
 from nanoserve.config import DTYPES, LOAD_FORMATS, EngineConfig
-from nanoserve.protocol import DEFAULT_WORKER_TIMEOUT_S
+from nanoserve.help_format import DefaultsHelpFormatter
+from nanoserve.model_arguments import add_hub_flags, check_model_arguments
+from nanoserve.serve_flags import (
+    add_http_flags,
+    add_parallel_flags,
+    add_speed_flags,
+    config_default,
+    parse_bytes,
+)
 from nanoserve.server.state import ServerConfig
 
 logger = logging.getLogger("nanoserve")
-
-DEMO_MODEL_DIR = Path(__file__).parent / "assets" / "demo"
-
-_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_SIZE_UNITS.update({"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40})
-
-
-def parse_bytes(text: str) -> int:
-    """'4GiB', '512MB', '1e9' or '1073741824' -> a number of bytes."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4GiB, 512MB)")
-    try:
-        value = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"the size must be > 0 bytes, got {text!r}")
-    return int(value)
-
-
-def config_default(config_class: type, name: str) -> Any:
-    """The default of field `name` of a config dataclass: the CLI keeps no second copy."""
-    return {f.name: f.default for f in dataclasses.fields(config_class)}[name]
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """Shows a flag's default unless its help already explains it or there is none."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        default = action.default
-        if "default" in help_text or default in (None, argparse.SUPPRESS) or action.nargs == 0:
-            return help_text
-        return f"{help_text} (default: %(default)s)"
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -68,32 +41,37 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a Hugging Face checkpoint over an OpenAI-compatible HTTP API with SSE "
         "streaming. The HTTP front runs in this process; the model runs in a worker process.",
-        formatter_class=_HelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     _add_model_flags(parser)
-    _add_http_flags(parser)
+    add_http_flags(parser)
     _add_limit_flags(parser)
-    _add_speed_flags(parser)
-    parser.set_defaults(handler=run_serve)
+    add_speed_flags(parser)
+    add_parallel_flags(parser)
+    parser.set_defaults(handler=run_serve, command_parser=parser)
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     parser.add_argument(
         "--model",
-        help="checkpoint directory or Hugging Face hub id (e.g. Qwen/Qwen3-1.7B); default: the "
-        "small demo model shipped in the package (a toy that completes Python code)",
+        help=f"checkpoint directory or Hugging Face hub id (e.g. Qwen/Qwen3-1.7B); default: "
+        f"{DEMO_MODEL_NAME}, the small demo model shipped in the package (a toy that completes "
+        "Python code)",
     )
     parser.add_argument(
         "--dtype", default=config_default(EngineConfig, "dtype"), choices=["auto", *DTYPES],
-        help="weight and activation dtype (auto: the checkpoint's; float16 is bfloat16 on CPU)",
+        help="weight and activation dtype (auto: the checkpoint's, except that a float16 "
+        "checkpoint runs in bfloat16 on CPU; an explicit float16 stays float16, slow on CPU)",
     )  # fmt: skip
+    add_hub_flags(parser)
     parser.add_argument(
         "--device", default=config_default(EngineConfig, "device"), help="auto, cpu, cuda or cuda:N"
     )
     parser.add_argument(
         "--load-format", default=config_default(EngineConfig, "load_format"), choices=LOAD_FORMATS,
-        help="dummy: random weights from the config (for benchmarks)",
+        help="auto or safetensors: the checkpoint's *.safetensors weights; dummy: random weights "
+        "from the config (benchmarks)",
     )  # fmt: skip
     parser.add_argument(
         "--seed", type=int, default=config_default(EngineConfig, "seed"),
@@ -101,80 +79,21 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--chat-template",
-        help="chat template to use instead of the checkpoint's: a Jinja string or a .jinja file",
-    )
-
-
-def _add_http_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument(
-        "--served-model-name",
-        nargs="+",
-        help="name(s) clients use in the `model` field; the first is reported in responses "
-        "(default: the --model value)",
+        help="a chat template (a Jinja string or a .jinja file) to use instead of the "
+        "checkpoint's (default: the checkpoint's own)",
     )
     parser.add_argument(
-        "--api-key",
-        default=os.environ.get("NANOSERVE_API_KEY"),
-        help="require 'Authorization: Bearer <key>' on every path under /v1 (default: "
-        "$NANOSERVE_API_KEY)",
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral"],
+        help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 and Hermes <tool_call>; "
+        "llama3_json: Llama 3.x JSON; mistral: [TOOL_CALLS]), for tool_choice auto",
     )
     parser.add_argument(
-        "--trust-request-chat-template",
+        "--enable-auto-tool-choice",
         action="store_true",
-        help="let requests bring their own chat template (as text, never a path)",
+        help='let the model decide when to call tools (tool_choice "auto", the default when a '
+        "request has tools); needs --tool-call-parser",
     )
-    parser.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=1024,
-        help="answer 503 with Retry-After when this many engine requests (prompts x n) wait "
-        "for their first token",
-    )
-    parser.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=10.0,
-        help="seconds in-flight requests may take to finish on SIGINT/SIGTERM; then streams "
-        "end with an error frame and [DONE], and the worker gets as long again to exit",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error", "critical"],
-        help="log level of the server and the worker",
-    )
-    _add_limit_and_timeout_flags(parser)
-
-
-def _add_limit_and_timeout_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--max-body-bytes", type=parse_bytes,
-        default=config_default(ServerConfig, "max_body_bytes"),
-        help="largest request body, e.g. 32MiB (413 beyond)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-prompt-chars",
-        type=int,
-        help="longest prompt text, checked before tokenizing (400 beyond; default: what "
-        "max_model_len tokens of the vocabulary's longest token could hold)",
-    )
-    for flag, field, what in (
-        ("--header-timeout", "header_timeout_s", "a connection's request line and headers"),
-        ("--body-timeout", "body_timeout_s", "a request's body, once its headers are in (408)"),
-        ("--send-timeout", "send_timeout_s", "a client that reads nothing while its send "
-         "buffer is full; then it is disconnected and its requests aborted"),
-    ):  # fmt: skip
-        parser.add_argument(
-            flag, type=float, default=config_default(ServerConfig, field),
-            help=f"seconds allowed for {what}",
-        )  # fmt: skip
-    parser.add_argument(
-        "--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT_S,
-        help="seconds without a heartbeat from the model worker before it is deemed hung: "
-        "in-flight requests end with an error and the worker is killed and restarted",
-    )  # fmt: skip
 
 
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
@@ -195,7 +114,8 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-memory",
         type=parse_bytes,
-        help="bytes for the KV cache, e.g. 4GiB (default on CPU: up to 2 GiB)",
+        help="CPU: bytes for the KV cache, e.g. 4GiB (default: what --max-num-seqs sequences of "
+        "--max-model-len tokens need, at most 2 GiB; on CUDA --gpu-memory-utilization decides)",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float,
@@ -215,22 +135,6 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, help=argparse.SUPPRESS)  # tests
 
 
-def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--compile",
-        dest="compile_decode",
-        action="store_true",
-        help="torch.compile the decode step: faster per token on CPU, but it compiles for tens "
-        "of seconds (minutes for billion-parameter models on few cores) at start-up, and on "
-        "CPU keeps a second copy of the bf16 linear weights",
-    )
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="always the plain eager path, even with --compile",
-    )
-
-
 def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     from nanoserve.chat_client import add_chat_parser as add_parser
 
@@ -244,12 +148,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         add_help=False,
     )
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(handler=lambda args: run_bench(args.bench_args))
+    parser.set_defaults(handler=lambda args: run_bench(args.bench_args), command_parser=parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description="A small LLM inference server.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_serve_parser(subparsers)
     add_chat_parser(subparsers)
     add_bench_parser(subparsers)
@@ -279,8 +184,17 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
+        quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         compile_decode=args.compile_decode,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        revision=args.revision,
+        download_dir=args.download_dir,
     )
 
 
@@ -290,10 +204,19 @@ def check_engine_config(config: EngineConfig) -> Path:
     Returns the checkpoint directory, whose tokenizer the front loads. Raises ValueError.
     """
     from nanoserve.checkpoint import load_model_config, resolve_checkpoint
+    from nanoserve.startup import check_kv_cache_memory
 
-    model_dir = resolve_checkpoint(config.model, config.load_format, with_weights=False)
-    max_model_len = config.resolve_max_model_len(load_model_config(model_dir))
+    model_dir = resolve_checkpoint(
+        config.model,
+        config.load_format,
+        with_weights=False,
+        revision=config.revision,
+        download_dir=config.download_dir,
+    )
+    model_config = load_model_config(model_dir)
+    max_model_len = config.resolve_max_model_len(model_config)
     config.scheduler_config(max_model_len)  # the batch limits against that length
+    check_kv_cache_memory(config, model_config)
     return model_dir
 
 
@@ -314,25 +237,47 @@ def server_config_from_args(args: argparse.Namespace, model: str) -> ServerConfi
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         send_timeout_s=args.send_timeout,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from nanoserve.tokenizer import load_tokenizer
-
-    model = args.model or args.model_pos or str(DEMO_MODEL_DIR)
+    model = args.model or args.model_pos or DEMO_MODEL_NAME
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.trust_remote_code:
+        logger.warning(
+            "--trust-remote-code has no effect: nanoserve runs its own model code for the "
+            "supported architectures and never code from a checkpoint"
+        )
     try:
         engine_config = engine_config_from_args(args, model)
+        model_dir = check_engine_config(engine_config)  # before torch or transformers load
+        if args.headless:  # no HTTP here: this node only runs its ranks
+            from nanoserve.worker.headless import run_headless
+
+            return run_headless(engine_config, args.log_level)
         server_config = server_config_from_args(args, model)
-        model_dir = check_engine_config(engine_config)
-        tokenizer = load_tokenizer(model_dir, chat_template=args.chat_template)
+        from nanoserve.startup import bind_socket
+
+        sock = bind_socket(args.host, args.port)  # a busy port is reported now, not after loading
     except ValueError as e:
         print(f"nanoserve serve: {with_flag_names(str(e))}", file=sys.stderr)
         return 2
-    return _run_server(args, engine_config, server_config, tokenizer)
+    try:
+        from nanoserve.checkpoint import resolve_tokenizer
+        from nanoserve.tokenizer import load_tokenizer
+
+        if args.tokenizer:
+            model_dir = resolve_tokenizer(args.tokenizer, args.download_dir)
+        tokenizer = load_tokenizer(model_dir, chat_template=args.chat_template)
+    except ValueError as e:
+        sock.close()
+        print(f"nanoserve serve: {with_flag_names(str(e))}", file=sys.stderr)
+        return 2
+    return _run_server(args, engine_config, server_config, tokenizer, sock)
 
 
 # EngineConfig fields whose flag is not the field's name with dashes.
@@ -347,11 +292,15 @@ def with_flag_names(message: str) -> str:
             continue
         flag = _FLAG_NAMES.get(field.name, "--" + field.name.removesuffix("_s").replace("_", "-"))
         message = re.sub(rf"(?<![\w-]){field.name}\b", flag, message)
-    return message
+    # A one-word field with its value in quotes: "device 'cuda'" -> "--device cuda".
+    return re.sub(r"(?<![\w-])(device|dtype) '([^']*)'", r"--\1 \2", message)
 
 
-def _run_server(args: argparse.Namespace, engine_config: EngineConfig, server_config, tokenizer):
-    """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if the server never started."""
+def _run_server(
+    args: argparse.Namespace, engine_config: EngineConfig, server_config, tokenizer, sock
+) -> int:
+    """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 2 (bad settings) or 1 if the first
+    worker failed to start, 1 if the server never started."""
     import uvicorn
 
     from nanoserve.server.app import create_app
@@ -378,10 +327,16 @@ def _run_server(args: argparse.Namespace, engine_config: EngineConfig, server_co
     # re-raises the signal under the handlers it found: make those no-ops so we exit with 0.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None)
+    client.on_start_failed = lambda error: setattr(server, "should_exit", True)
+    logger.info("listening on http://%s:%d (Ctrl-C stops the server)", args.host, args.port)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         client.kill_now()  # after a forced exit the lifespan shutdown may not have run
+        sock.close()
+    if client.start_error is not None:
+        print(f"nanoserve serve: {with_flag_names(str(client.start_error))}", file=sys.stderr)
+        return 2 if client.start_error.is_config_error else 1
     return 0 if server.started else 1
 
 
@@ -389,7 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every flag, --help included, belongs to the benchmark
         return run_bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if args.command is None:  # a bare `nanoserve`
+        parser.print_help()
+        return 0
+    if extras:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    if args.command == "serve":
+        check_model_arguments(args.command_parser, args, argv[argv.index("serve") + 1 :])
     return args.handler(args)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("int8",)
 DEFAULT_MIN_BATCHED_TOKENS = 2048
 
 
@@ -39,6 +40,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     torch_dtype: str = "float32"  # the checkpoint's dtype as written in config.json
     eos_token_ids: tuple[int, ...] = ()  # from config.json; generation_config may add more
+    quantization: dict | None = None  # config.json's quantization_config (FP8 checkpoints)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -104,6 +106,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     load_format: str = "auto"  # auto (safetensors) | safetensors | dummy (random weights)
+    revision: str | None = None  # hub branch, tag or commit of `model`
+    download_dir: str | None = None  # hub cache directory (default: huggingface_hub's)
     seed: int = 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 64
@@ -114,6 +118,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # tests: exact KV pool size
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    quantization: str | None = None  # int8: weight-only int8 linears
+    quantize_lm_head: bool = True  # with a quantization, the LM head too
+    tensor_parallel_size: int = 1  # ranks (processes) one model is split across
+    nnodes: int = 1  # machines those ranks run on
+    node_rank: int = 0  # this machine's index among them
+    master_addr: str = "127.0.0.1"  # where rank 0 (node 0) meets the others
+    master_port: int | None = None  # None: a free port on this machine (one node)
     compile_decode: bool = False  # torch.compile the decode step (slow start-up, faster tokens)
     enforce_eager: bool = False  # the plain path, whatever else is asked for
 
@@ -130,12 +141,34 @@ class EngineConfig:
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}",
         )
+        _require(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
+        )
         for name in ("max_model_len", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(value is None or value >= 1, f"{name} must be ≥ 1, got {value}")
+        self._check_parallelism()
         self.cache_config()  # validates the cache settings
         if self.max_model_len is not None:
             self.scheduler_config(self.max_model_len)  # validates the scheduler limits
+
+    def _check_parallelism(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            _require(getattr(self, name) >= 1, f"{name} must be ≥ 1, got {getattr(self, name)}")
+        _require(
+            self.tensor_parallel_size % self.nnodes == 0,
+            f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes "
+            f"({self.nnodes}): every machine runs the same number of ranks",
+        )
+        _require(
+            0 <= self.node_rank < self.nnodes,
+            f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}",
+        )
+        _require(
+            self.nnodes == 1 or self.master_port is not None,
+            "a group on several machines needs master_port (and master_addr, node 0's address)",
+        )
 
     @property
     def use_compiled_decode(self) -> bool:
@@ -168,7 +201,7 @@ class EngineConfig:
         _require(
             self.max_model_len <= max_positions,
             f"max_model_len ({self.max_model_len}) is larger than the model's "
-            f"max_position_embeddings ({max_positions})",
+            f"max_position_embeddings ({max_positions}); use max_model_len {max_positions} or less",
         )
         return self.max_model_len
 

@@ -1,7 +1,7 @@
 """LLM: offline batch generation over the in-process engine, in vLLM's shape.
 
 from nanoserve import LLM, SamplingParams
-llm = LLM(model="path/to/checkpoint")
+llm = LLM()  # the demo model; or LLM(model="path/to/checkpoint"), LLM(model="Qwen/Qwen3-0.6B")
 outputs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
 """
 
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import itertools
 
+from nanoserve.checkpoint import DEMO_MODEL_NAME, resolve_tokenizer
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.output_processor import ChoiceState, OutputProcessor, PositionLogprobs
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured_outputs import check_constraint
 from nanoserve.tokenizer import load_tokenizer
 
 PromptType = str | list[int]
@@ -22,9 +24,13 @@ PromptType = str | list[int]
 class LLM:
     """Generate completions for many prompts at once with continuous batching."""
 
-    def __init__(self, model: str, tokenizer: str | None = None, **engine_args) -> None:
+    def __init__(
+        self, model: str = DEMO_MODEL_NAME, tokenizer: str | None = None, **engine_args
+    ) -> None:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
-        self.tokenizer = load_tokenizer(tokenizer or str(self.engine.model_path))
+        download_dir = self.engine.config.download_dir
+        tokenizer_dir = resolve_tokenizer(tokenizer, download_dir) if tokenizer else None
+        self.tokenizer = load_tokenizer(tokenizer_dir or self.engine.model_path)
         self._request_counter = itertools.count()
 
     def generate(
@@ -35,6 +41,9 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        for params in params_list:
+            if params.structured_outputs is not None:
+                check_constraint(params.structured_outputs)  # ValueError before any work
         processor = OutputProcessor(self.tokenizer)
         results: list[RequestOutput] = []
         try:
@@ -57,6 +66,10 @@ class LLM:
         for choice in processor.sorted_choices():
             result = by_id[choice.request_id.rsplit("-", 1)[0]]
             result.num_cached_tokens = choice.num_cached_tokens
+            if choice.prompt_logprobs is not None and result.prompt_logprobs is None:
+                result.prompt_logprobs = [
+                    None if p is None else _logprob_dict(p) for p in choice.prompt_logprobs
+                ]
             result.outputs.append(_completion_output(choice))
         return results
 

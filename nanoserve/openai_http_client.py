@@ -9,9 +9,20 @@ from typing import Any
 
 import httpx
 
+CONTEXT_ERROR_PHRASE = "maximum context length"  # in vLLM's and our 400s for a too-long request
+
 
 class ClientError(Exception):
     """A failure to show as one line: the server is unreachable or answered with an error."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+    @property
+    def is_context_overflow(self) -> bool:
+        """The server refused the request because prompt + reply exceed the model's context."""
+        return self.status_code == 400 and CONTEXT_ERROR_PHRASE in str(self)
 
 
 class OpenAIServer:
@@ -34,15 +45,17 @@ class OpenAIServer:
     def close(self) -> None:
         self.http.close()
 
-    def list_models(self) -> list[str]:
+    def list_models(self) -> list[dict[str, Any]]:
+        """The model cards of /v1/models: `id`, and `max_model_len` on vLLM and nanoserve."""
         try:
             response = self.http.get("/v1/models")
         except httpx.HTTPError as e:
             raise ClientError(self._describe_transport_error(e)) from None
         if response.status_code >= 400:
-            raise ClientError(self._describe_http_error(response))
+            raise ClientError(self._describe_http_error(response), response.status_code)
         try:
-            return [model["id"] for model in response.json()["data"]]
+            cards = response.json()["data"]
+            return [{**card, "id": str(card["id"])} for card in cards]
         except (ValueError, KeyError, TypeError):
             raise ClientError(f"{self.url}/v1/models did not answer with a model list") from None
 
@@ -52,7 +65,7 @@ class OpenAIServer:
             with self.http.stream("POST", path, json=body) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise ClientError(self._describe_http_error(response))
+                    raise ClientError(self._describe_http_error(response), response.status_code)
                 for line in response.iter_lines():
                     if not line.startswith("data:"):
                         continue  # blank lines between events, comments, other fields

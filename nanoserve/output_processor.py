@@ -8,7 +8,8 @@ once, as in vLLM v1's output processor:
 - one `IncrementalDetokenizer` per choice turns its tokens into text and finds stop strings; a
   stop string ends the choice here, and the caller aborts it in the engine (`needs_abort`);
 - finish reasons become their API names ("stop", "length", "abort");
-- logprobs get the text of every token they name (`PositionLogprobs`).
+- logprobs, of generated and of prompt tokens, get the text of every token they name
+  (`PositionLogprobs`); a choice's prompt logprobs start with None for the first prompt token.
 
 The caller feeds it deltas (`process`) and reads `ChoiceUpdate`s: what each delta added.
 """
@@ -56,9 +57,12 @@ class ChoiceState:
     prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer
     wants_logprobs: bool
+    wants_prompt_logprobs: bool = False
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # One per prompt token, None for the first; None until the first delta brings them.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
@@ -120,6 +124,7 @@ class OutputProcessor:
                 prompt_token_ids=prompt_token_ids,
                 detokenizer=detokenizer,
                 wants_logprobs=child.logprobs is not None,
+                wants_prompt_logprobs=child.prompt_logprobs is not None,
             )
             engine_requests.append(EngineRequest(child_id, prompt_token_ids, child))
         return engine_requests
@@ -139,6 +144,8 @@ class OutputProcessor:
         is_first = not choice.token_ids
         if is_first:
             choice.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = [None, *map(self.decode_logprobs, delta.prompt_logprobs)]
         choice.token_ids.extend(delta.new_token_ids)
         logprobs = [self.decode_logprobs(entry) for entry in delta.logprobs or []]
         choice.logprobs.extend(logprobs)

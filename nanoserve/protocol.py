@@ -46,6 +46,9 @@ class RequestDelta(msgspec.Struct, array_like=True):
     stop_reason: int | None = None  # the stop token id that ended the request, if any
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     queue_time_s: float | None = None  # arrival to first scheduled; set on the first delta only
+    # With `prompt_logprobs` asked for, on the first delta only: position j's logprobs of prompt
+    # token j + 1, for j in [0, num_prompt_tokens - 1) (the first token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineStats(msgspec.Struct):
@@ -120,6 +123,7 @@ class WorkerFailed(msgspec.Struct, tag="failed", array_like=True):
 
     message: str
     traceback: str
+    is_config_error: bool = False  # a bad setting or checkpoint (ValueError), not a bug
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):

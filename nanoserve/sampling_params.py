@@ -3,8 +3,47 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output, in vLLM's `structured_outputs` shape; set exactly one field.
+
+    `json` is a JSON schema (a dict or its text), `regex` a regular expression the whole output
+    matches, `choice` a list of strings the output is one of, `grammar` a Lark (or GBNF)
+    grammar, `json_object` any JSON object. Enforced token by token in the worker
+    (`nanoserve.engine.structured`); `nanoserve.structured_outputs` checks it before it goes.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        chosen = [
+            kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)
+        ]
+        _require(
+            len(chosen) == 1,
+            "structured_outputs must set exactly one of "
+            f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got {chosen or 'none'}",
+        )
+        if self.choice is not None:
+            _require(
+                bool(self.choice) and all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -12,7 +51,8 @@ class SamplingParams:
     """Per-request sampling and stopping parameters, in vLLM's shape.
 
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
-    `max_tokens=None` means "until the context is full".
+    `max_tokens=None` means "until the context is full"; `max_tokens=0` runs the prompt only
+    and generates nothing (with `prompt_logprobs`: score a prompt, as lm-eval does).
     """
 
     n: int = 1
@@ -32,7 +72,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's plus the top k alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,8 +104,8 @@ class SamplingParams:
             f"repetition_penalty must be > 0, got {self.repetition_penalty}",
         )
         _require(
-            self.max_tokens is None or self.max_tokens >= 1,
-            f"max_tokens must be ≥ 1, got {self.max_tokens}",
+            self.max_tokens is None or self.max_tokens >= 0,
+            f"max_tokens must be ≥ 1 (or 0 to run the prompt only), got {self.max_tokens}",
         )
         _require(self.min_tokens >= 0, f"min_tokens must be ≥ 0, got {self.min_tokens}")
         _require(
@@ -73,6 +115,10 @@ class SamplingParams:
         _require(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+        _require(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
         )
         _require(
             all(isinstance(s, str) and s for s in self.stop),

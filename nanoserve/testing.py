@@ -103,3 +103,44 @@ def _scale_up_init(model: torch.nn.Module, seed: int) -> None:
                 param.copy_((1.0 + noise).to(param.dtype))
             else:
                 param.copy_((torch.randn(param.shape, generator=generator) * 0.2).to(param.dtype))
+
+
+# Linear weights a block-scaled FP8 checkpoint stores in 8 bits (norms, embeddings and the LM
+# head stay in the model dtype, as in Qwen3-*-FP8).
+FP8_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_fp8_checkpoint(
+    source: str | Path, target: str | Path, block_size: tuple[int, int] = (128, 128)
+) -> Path:
+    """A copy of checkpoint `source` in the block-scaled FP8 format, written by hand.
+
+    Each linear weight becomes float8_e4m3fn plus a `<name>_scale_inv` tensor of per-block
+    scales, and config.json gets the `quantization_config` that Qwen3-*-FP8 checkpoints carry.
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nanoserve.engine.quantization.fp8 import quantize
+
+    source, target = Path(source), Path(target)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors*"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            if name.endswith(".weight") and name.split(".")[-2] in FP8_LINEAR_NAMES:
+                tensors[name], tensors[f"{name}_scale_inv"] = quantize(tensor, block_size)
+            else:
+                tensors[name] = tensor
+    save_file(tensors, str(target / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block_size),
+    }
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target

@@ -101,6 +101,16 @@ CHAT_TEMPLATE = (
 
 SAMPLE_PROMPT = "def fibonacci(n):"
 SAMPLE_TOKENS = 48
+# Everyday openings whose greedy completions the model card shows (and tests check). No
+# trailing newline: the tokenizer merges a newline with the indentation after it.
+OPENINGS = (
+    "import os",
+    "def read_lines(path):",
+    "class Stack:",
+    "for i in range(10):",
+    'if __name__ == "__main__":',
+)
+OPENING_TOKENS = 64
 
 
 def log(msg: str) -> None:
@@ -322,10 +332,14 @@ def add_legacy_config_keys(path: Path, rope_theta: float) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
+def lr_at(step: int, args: argparse.Namespace, time_fraction: float | None = None) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio × lr over the steps, or over the time
+    budget when one is given (`time_fraction`: the share of it used so far)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    if time_fraction is not None:
+        progress = min(1.0, time_fraction)
     min_lr = args.lr * args.min_lr_ratio
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
@@ -405,6 +419,12 @@ def md_table(rows: list[tuple[str, str]], header: tuple[str, str] = ("", "")) ->
 
 def write_model_card(out: Path, info: dict) -> None:
     s = info
+    history = f"trained from scratch in {s['wall_min']:.1f} minutes on {s['threads']} CPU threads"
+    if s["init_from"]:
+        history = (
+            f"whose training continued `{s['init_from']}` (held-out {s['init_bpb']:.3f} bits/byte) "
+            f"for {s['wall_min']:.1f} minutes on {s['threads']} CPU threads"
+        )
     plain_pct = 100 - s["fim_pct"] - s["chat_pct"]
     train_table = md_table(
         [
@@ -420,6 +440,16 @@ def write_model_card(out: Path, info: dict) -> None:
                 f"{s['n_heldout']} files, {s['heldout_kb']:.0f} kB",
             ),
             ("training tokens (corpus)", f"{s['train_tokens']:,}"),
+            *(
+                [
+                    (
+                        "initialised from",
+                        f"`{s['init_from']}` (held-out {s['init_bpb']:.3f} bits/byte)",
+                    )
+                ]
+                if s["init_from"]
+                else []
+            ),
             ("seed", str(s["seed"])),
             (
                 "steps × batch × sequence",
@@ -483,10 +513,10 @@ tags:
 
 # nanoserve demo model (toy Python code completer)
 
-A **tiny** ({s["params_m"]:.2f}M parameters) `Qwen3ForCausalLM` trained from scratch, in
-{s["wall_min"]:.1f} minutes on {s["threads"]} CPU threads, on the Python standard library's own
-source code. It ships inside the `nanoserve` package so that `nanoserve serve` works out of the
-box with no download, and so that tests and demos have a real (non-random) checkpoint.
+A **tiny** ({s["params_m"]:.2f}M parameters) `Qwen3ForCausalLM` {history}, on the Python
+standard library's own source code. It ships inside the `nanoserve` package so that
+`nanoserve serve` works out of the box with no download, and so that tests and demos have a
+real (non-random) checkpoint.
 
 **What it is:** a toy that continues Python source with Python-looking text (indentation,
 docstrings, `self.`, `return`, ...) that is mostly nonsense. **What it is not:** a chat
@@ -544,20 +574,20 @@ windows, evaluated with the saved bf16 weights in fp32:
 
 Greedy decoding with `transformers`, prompt `{SAMPLE_PROMPT}`, {SAMPLE_TOKENS} new tokens:
 
-```python
+```text
 {s["sample_greedy"]}
 ```
 
 Sampled (temperature 0.7, top-p 0.95, `torch.manual_seed(0)`), same prompt:
 
-```python
+```text
 {s["sample_temp"]}
 ```
 
 Fill-in-the-middle, greedy (prompt
 `<|fim_prefix|>{s["fim_prefix"]!r}<|fim_suffix|>{s["fim_suffix"]!r}<|fim_middle|>`), middle:
 
-```python
+```text
 {s["sample_fim"]!r}
 ```
 
@@ -566,6 +596,10 @@ Chat (user message `{s["chat_user"]!r}`), greedy reply:
 ```
 {s["sample_chat"]!r}
 ```
+
+Greedy completions ({OPENING_TOKENS} tokens) of everyday openings (model output, verbatim):
+
+{s["sample_openings"]}
 
 ## License
 
@@ -614,6 +648,10 @@ def generate_samples(out: Path) -> dict[str, str]:
         [{"role": "user", "content": chat_user}], tokenize=False, add_generation_prompt=True
     )
     samples["sample_chat"] = gen(chat_prompt, 64, do_sample=False)
+    samples["sample_openings"] = "\n\n".join(
+        f"```text\n{opening}{gen(opening, OPENING_TOKENS, do_sample=False)}\n```"
+        for opening in OPENINGS
+    )
     return samples
 
 
@@ -627,6 +665,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output checkpoint directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1200, help="optimizer steps (fixed, not timed)")
+    p.add_argument(
+        "--time-budget-min",
+        type=float,
+        default=None,
+        help="on a shared machine: stop after this many minutes of training (at most --steps), "
+        "the learning rate decaying over the time instead of the steps; the card records the "
+        "steps done",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -649,11 +695,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 (slower on CPU)")
     p.add_argument("--stdlib", type=Path, default=None, help="override the stdlib directory")
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue training this checkpoint (its shape and tokenizer) instead of a new model",
+    )
+    p.add_argument(
+        "--samples-of",
+        type=Path,
+        default=None,
+        help="print the greedy samples of this checkpoint directory and exit (no training)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.samples_of is not None:
+        for name, text in generate_samples(args.samples_of).items():
+            log(f"--- {name}\n{text}")
+        return
     t_start = time.time()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -675,9 +737,14 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(r for r, _ in heldout)
     )
 
-    # ---- tokenizer
+    # ---- tokenizer (trained here, or the one of the checkpoint training continues from)
     t0 = time.time()
-    tok = train_tokenizer([t for _, t in train], args.vocab_size)
+    if args.init_from is not None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+    else:
+        tok = train_tokenizer([t for _, t in train], args.vocab_size)
     tok_s = time.time() - t0
     vocab = tok.get_vocab_size()
     special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -709,9 +776,28 @@ def main(argv: list[str] | None = None) -> None:
         train_stream, args.seq_len, args.seed, seq_ids, args.fim_rate, args.chat_rate
     )
 
-    # ---- model
-    config = build_config(args, vocab, eot_id, im_end_id)
-    model = Qwen3ForCausalLM(config)
+    # ---- model (new, or a checkpoint to continue training: its shape overrides the flags)
+    init_eval = None
+    if args.init_from is not None:
+        model = Qwen3ForCausalLM.from_pretrained(args.init_from).float()
+        shape = {
+            "layers": "num_hidden_layers",
+            "hidden": "hidden_size",
+            "intermediate": "intermediate_size",
+            "heads": "num_attention_heads",
+            "kv_heads": "num_key_value_heads",
+            "head_dim": "head_dim",
+            "max_positions": "max_position_embeddings",
+        }
+        for arg_name, config_key in shape.items():
+            setattr(args, arg_name, getattr(model.config, config_key))
+        init_eval = evaluate(model, eval_stream, byte_len, args.seq_len, eot_id)
+        log(
+            f"held-out before training ({args.init_from}): loss {init_eval['loss']:.4f} "
+            f"nats/token, {init_eval['bpb']:.4f} bits/byte"
+        )
+    else:
+        model = Qwen3ForCausalLM(build_config(args, vocab, eot_id, im_end_id))
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     log(
@@ -735,8 +821,14 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = args.batch_size * args.seq_len
     t_train = time.time()
     recent: list[float] = []
+    budget_s = args.time_budget_min * 60 if args.time_budget_min else None
     for step in range(args.steps):
-        lr = lr_at(step, args)
+        time_fraction = (time.time() - t_train) / budget_s if budget_s else None
+        if time_fraction is not None and time_fraction >= 1.0:
+            log(f"time budget of {args.time_budget_min} min used: stopping after {step} steps")
+            args.steps = step
+            break
+        lr = lr_at(step, args, time_fraction)
         for group in opt.param_groups:
             group["lr"] = lr
         batch = sampler.batch(args.batch_size)
@@ -854,6 +946,8 @@ def main(argv: list[str] | None = None) -> None:
         "eval_tokens": ev["tokens"],
         "eval_bytes": ev["bytes"],
         "train_loss": sum(recent) / len(recent),
+        "init_from": args.init_from,
+        "init_bpb": init_eval["bpb"] if init_eval else None,
     }
     write_model_card(out, info)
     total_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6

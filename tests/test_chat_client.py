@@ -318,3 +318,50 @@ def test_wrong_api_key_is_one_line(server_url: str, terminal) -> None:
     term.line("/quit")
     assert term.wait_exit() == 0
     assert "Traceback" not in term.screen
+
+
+@pytest.fixture(scope="module")
+def small_context_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server whose model has a 256-token context, served without an API key."""
+    tmp = tmp_path_factory.mktemp("small_context")
+    model = make_tiny_checkpoint(tmp / "model", "qwen3", max_position_embeddings=256)
+    with ServerProcess(model, tmp / "server.log") as server:
+        yield server.url
+
+
+def test_a_reply_leaves_room_for_the_next_turn(small_context_url: str) -> None:
+    import argparse
+
+    from nanoserve.chat_client import ChatSession, add_arguments
+    from nanoserve.openai_http_client import OpenAIServer
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server = OpenAIServer(small_context_url, None, 30)
+    try:
+        session = ChatSession(server, parser.parse_args([]), use_color=False)
+        body = session.request_body(messages=[{"role": "user", "content": "hi"}])
+        assert session.max_model_len == 256
+        assert body["max_tokens"] == 64  # a quarter of the context
+        session.max_tokens = 10  # /max 10
+        assert session.request_body(prompt="x")["max_tokens"] == 10
+    finally:
+        server.close()
+
+
+def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(
+    small_context_url: str, terminal
+) -> None:
+    term = terminal("--url", small_context_url, "--extra-body", '{"ignore_eos": true}')
+    term.expect(PROMPT)
+    message = "tell me more about it, " * 3  # 69 bytes: 88 prompt tokens with the template
+    for _ in range(4):  # an exchange takes over 150 of the 256 tokens: the second must drop one
+        stats = term.stats_after(message)
+        assert int(stats.group(2)) == 64  # the default reply length: a quarter of the context
+    assert "dropped the oldest exchange" in term.screen
+    term.line("/history")
+    num_messages = int(term.expect(re.compile(r"(\d+) messages")).group(1))
+    assert num_messages in (2, 4, 6)  # whole exchanges, fewer than the 8 sent and received
+    term.line("/quit")
+    assert term.wait_exit() == 0
+    assert "error" not in term.screen and "Traceback" not in term.screen

@@ -8,10 +8,14 @@ from pathlib import Path
 import pytest
 
 from nanoserve.checkpoint import (
+    DEMO_MODEL_DIR,
+    DEMO_MODEL_NAME,
     ModelLoadError,
     load_generation_config_eos,
     load_model_config,
+    make_dummy_model_dir,
     resolve_checkpoint,
+    resolve_tokenizer,
 )
 from nanoserve.config import ModelConfig
 from nanoserve.testing import make_tiny_checkpoint
@@ -185,7 +189,7 @@ def test_front_resolution_skips_weights(checkpoints, tmp_path, monkeypatch):
 
     asked = []
 
-    def fake_download(repo_id, allow_patterns):
+    def fake_download(repo_id, allow_patterns, revision, cache_dir):
         asked.append(list(allow_patterns))
         return str(checkpoints["qwen3"])
 
@@ -194,3 +198,45 @@ def test_front_resolution_skips_weights(checkpoints, tmp_path, monkeypatch):
     assert resolve_checkpoint("org/model") == checkpoints["qwen3"]
     assert "*.safetensors" not in asked[0] and "*.safetensors" in asked[1]
     assert "*.json" in asked[0] and "tokenizer*" in asked[0]
+
+
+def test_revision_and_download_dir_reach_the_hub(checkpoints, tmp_path, monkeypatch):
+    """--revision and --download-dir are passed to snapshot_download as vLLM passes them."""
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs["revision"], kwargs["cache_dir"]))
+        return str(checkpoints["qwen3"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    resolve_checkpoint("org/model", revision="v1.0", download_dir=str(tmp_path))
+    assert resolve_tokenizer("org/tokenizer", download_dir=str(tmp_path)) == checkpoints["qwen3"]
+    assert calls == [("org/model", "v1.0", str(tmp_path)), ("org/tokenizer", None, str(tmp_path))]
+
+
+def test_the_demo_model_has_a_short_name():
+    assert resolve_checkpoint(DEMO_MODEL_NAME) == DEMO_MODEL_DIR
+    assert resolve_tokenizer(DEMO_MODEL_NAME) == DEMO_MODEL_DIR
+    assert load_model_config(DEMO_MODEL_DIR).architecture == "Qwen3ForCausalLM"
+
+
+def test_missing_tokenizer_directory_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="tokenizer directory .*nope.* does not exist"):
+        resolve_tokenizer(str(tmp_path / "nope"))
+
+
+def test_dummy_checkpoints_decode_every_id_to_visible_text(tmp_path):
+    """Random weights sample ids all over a real vocabulary; each must read as text."""
+    from transformers import AutoTokenizer
+
+    model_dir = make_dummy_model_dir("Qwen/Qwen3-0.6B", cache_dir=tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab_size = load_model_config(model_dir).vocab_size
+    assert len(tokenizer) == vocab_size
+    sampled_ids = [259, 1000, 70_000, vocab_size - 1]
+    text = tokenizer.decode(sampled_ids)
+    assert len(text.split()) == len(sampled_ids) and text.replace(" ", "").isalpha(), text
+    assert tokenizer.encode("héllo ✓") == list("héllo ✓".encode())  # bytes, never filler words
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 258

@@ -6,8 +6,10 @@ validate the artifact independently of nanoserve's own engine.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -115,18 +117,51 @@ def test_loss_well_below_uniform(tokenizer, model):
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss.item()
     # Uniform (and randomly initialised weights) give ~8.3 nats/token with 4096 tokens; the
-    # shipped checkpoint scores ~2.8. 3.5 leaves room for retraining on another stdlib version.
+    # shipped checkpoint scores ~1.9 (the one before it ~2.1). 2.5 leaves room for retraining
+    # on another stdlib version.
     uniform = math.log(len(tokenizer))
-    assert loss < 3.5, f"mean loss {loss:.3f} nats/token (uniform would be {uniform:.2f})"
+    assert loss < 2.5, f"mean loss {loss:.3f} nats/token (uniform would be {uniform:.2f})"
 
 
-def test_greedy_completion_looks_like_python(tokenizer, model):
-    prompt = "def fibonacci(n):"
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+def python_looks(text: str) -> list[str]:
+    """What keeps `text` from looking like Python: too few lines, no indented line, no code
+    word after the first line, a line said three times in a row, or a run of 1-6 words said
+    four times in a row (`self.is_is_is_is`, `Attributes, Attributes, ...`)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    problems = []
+    if len(lines) < 4:
+        problems.append(f"{len(lines)} lines")
+    if not any(line.startswith((" ", "\t")) for line in lines):
+        problems.append("no indented line")
+    if not re.search(r"\b(return|if|def|import|for|self)\b|=", "\n".join(lines[1:])):
+        problems.append("no code word")
+    if max(len(list(run)) for _, run in itertools.groupby(lines)) > 2:
+        problems.append("a line repeats")
+    words = re.findall(r"[A-Za-z0-9]+", text)
+    for n in range(1, 7):
+        for i in range(len(words) - 4 * n + 1):
+            if all(words[i + k * n : i + (k + 1) * n] == words[i : i + n] for k in range(4)):
+                problems.append(f"loops on {' '.join(words[i : i + n])!r}")
+                return problems
+    return problems
+
+
+def test_the_loop_detector_catches_the_old_demo_loops():
+    assert python_looks("for i in range(10):\n    if self.is_is_is_is_is_is_is_is_is_is") != []
+    assert python_looks("import os\nimport os\nimport os\nimport sys\n    x = 1") != []
+    looks_fine = "def f(path):\n    if not path:\n        return None\n    return path.strip()\n"
+    assert python_looks(looks_fine) == []
+
+
+# The openings whose greedy completions look like Python since the retraining (see the model
+# card); "for i in range(10):", 'if __name__ == "__main__":' and "def fibonacci(n):" still
+# loop at temperature 0.
+@pytest.mark.slow
+@pytest.mark.parametrize("opening", ["import os", "def read_lines(path):", "class Stack:"])
+def test_greedy_completions_of_everyday_openings_look_like_python(tokenizer, model, opening):
+    ids = tokenizer(opening, return_tensors="pt")["input_ids"]
     eos = model.generation_config.eos_token_id
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=48, do_sample=False, pad_token_id=eos[0])
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    assert text.startswith("\n"), repr(text)
-    assert "\n    " in text, repr(text)  # indented body
-    assert any(kw in text for kw in ("return", "if ", "for ", "while ", "=")), repr(text)
+        out = model.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=eos[0])
+    text = opening + tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert python_looks(text) == [], text

@@ -1,14 +1,20 @@
 """The offline LLM API: vLLM's shapes, stop strings, n, logprobs and errors."""
 
 import pytest
+import torch
+import transformers
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.testing import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
     return LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=256)
 
 
@@ -72,11 +78,54 @@ def test_logprobs_hold_chosen_token_and_alternatives(llm):
         assert max(p.logprob for p in position.values()) == position[token_id].logprob
 
 
+def test_prompt_logprobs_in_vllm_shape(llm, checkpoint):
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    params = SamplingParams(temperature=0.0, max_tokens=2, n=2, prompt_logprobs=2)
+    scored, unscored = llm.generate(["score me", "plain"], [params, SamplingParams(max_tokens=1)])
+    assert unscored.prompt_logprobs is None
+    prompt = scored.prompt_token_ids
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([prompt])).logits[0].log_softmax(dim=-1)
+    assert len(scored.prompt_logprobs) == len(prompt) and scored.prompt_logprobs[0] is None
+    for position, entries in enumerate(scored.prompt_logprobs[1:]):
+        token_id = prompt[position + 1]
+        row = reference[position]
+        assert entries[token_id].logprob == pytest.approx(row[token_id].item(), abs=1e-5)
+        assert entries[token_id].decoded_token == llm.tokenizer.decode([token_id])
+        assert entries[token_id].rank == int((row >= row[token_id]).sum())
+        top_ids = row.topk(2).indices.tolist()
+        assert set(entries) == {token_id, *top_ids}
+        assert [entries[t].rank for t in top_ids] == [1, 2]
+
+
+def test_max_tokens_zero_returns_the_scored_prompt_only(llm):
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    [result] = llm.generate("only the prompt", params)
+    assert len(result.prompt_logprobs) == len("only the prompt")
+    [output] = result.outputs
+    assert (output.text, output.token_ids, output.finish_reason) == ("", [], "length")
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_bad_parameters_raise_actionable_errors(llm):
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match=r"max_tokens must be ≥ 1 \(or 0 to run the prompt"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be in \[0, 20\], got 21"):
+        SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
         llm.generate([1] * 300)
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_llm_without_a_model_is_the_demo_model():
+    from nanoserve.checkpoint import DEMO_MODEL_DIR
+
+    default, named = LLM(), LLM("nanoserve-demo")
+    assert default.engine.model_path == named.engine.model_path == DEMO_MODEL_DIR
+    params = SamplingParams(temperature=0, max_tokens=8)
+    [a], [b] = default.generate("import os", params), named.generate("import os", params)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 8

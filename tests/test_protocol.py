@@ -37,6 +37,7 @@ TO_WORKER = [
             stop_token_ids=[7],
             logit_bias={5: -100.0, 9: 2.5},
             logprobs=2,
+            prompt_logprobs=1,
             max_tokens=None,
         ),
         123.5,
@@ -68,6 +69,7 @@ TO_FRONT = [
                 7,
                 10,
                 8,
+                [TokenLogprobs(9, -1.25, 2, [3], [-0.75])],  # prompt_logprobs
             ),
         ],
         stats=EngineStats(num_running=2, kv_cache_usage=0.25, num_preemptions_total=1),
@@ -76,6 +78,7 @@ TO_FRONT = [
     RequestFailed("a", "prompt too long"),
     WorkerFailed("RuntimeError: boom", "Traceback ..."),
     Heartbeat(),
+    WorkerFailed("kv_cache_memory is too small", "", is_config_error=True),
 ]
 
 

@@ -1,12 +1,16 @@
 """The README's commands are real: CI runs its test command; the quick start works as written."""
 
+import argparse
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from servers import ServerProcess
 
@@ -18,18 +22,54 @@ def code_blocks(text: str) -> list[str]:
     return re.findall(r"```(?:bash)?\n(.*?)```", text, flags=re.S)
 
 
-def readme_test_command() -> str:
+def readme_command(name: str) -> str:
+    """The first command in the README's code blocks that starts with `name`."""
     for block in code_blocks(README):
         for line in block.splitlines():
-            if "pytest" in line:
+            if line.startswith(name):
                 return line.split("#")[0].strip()
-    raise AssertionError("the README gives no test command")
+    raise AssertionError(f"the README gives no {name} command")
 
 
 def test_ci_runs_exactly_the_readme_test_command():
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert readme_test_command() == "python -m pytest tests"
-    assert readme_test_command() in ci_lines
+    assert readme_command("scripts/test.sh") == "scripts/test.sh"
+    assert "scripts/test.sh" in ci_lines
+    test_script = (ROOT / "scripts" / "test.sh").read_text().splitlines()
+    assert "bash scripts/install.sh dev" in test_script
+    assert test_script[-1] == 'exec "${PYTHON:-python}" -m pytest tests "$@"'
+
+
+def test_the_serve_script_installs_then_serves():
+    assert readme_command("scripts/serve.sh") == "scripts/serve.sh"
+    serve_script = (ROOT / "scripts" / "serve.sh").read_text().splitlines()
+    assert "bash scripts/install.sh" in serve_script
+    assert serve_script[-1] == 'exec "${PYTHON:-python}" -m nanoserve.cli serve "$@"'
+
+
+@pytest.mark.slow
+def test_the_install_script_keeps_torch_and_installs_the_command(tmp_path):
+    """scripts/install.sh in a fresh virtual environment that sees this machine's packages:
+    the torch that imports is kept (nothing downloaded), nanoserve is installed editable."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "install.sh")],
+        env={**os.environ, "PYTHON": str(python)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [installed] = re.findall(r"Installing collected packages: (.*)", done.stdout)
+    assert "nanoserve" in installed.split(", ") and "torch" not in installed, installed
+    version = subprocess.run([venv / "bin" / "nanoserve", "--version"], capture_output=True)
+    assert version.stdout.decode().startswith("nanoserve ")
+    where = subprocess.run(
+        [python, "-c", "import nanoserve; print(nanoserve.__file__)"], capture_output=True
+    )
+    assert where.stdout.decode().strip() == str(ROOT / "nanoserve" / "__init__.py")
 
 
 def quick_start_curls() -> list[list[str]]:
@@ -66,5 +106,49 @@ def test_quick_start_serves_the_demo_model_and_answers_the_curl_examples(tmp_pat
             )
             assert text, body
             assert choice["finish_reason"] in ("stop", "length")
+        models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+        assert [model["id"] for model in models] == ["nanoserve-demo"]
     finally:
         assert server.stop() == 0
+
+
+def offline_example() -> str:
+    section = README.split("## Offline use", 1)[1].split("\n## ", 1)[0]
+    [example] = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return example
+
+
+@pytest.mark.slow
+def test_the_offline_example_runs_as_written():
+    done = subprocess.run(
+        [sys.executable, "-c", offline_example()], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("def fib(n):") and lines[-1].endswith(("length", "stop"))
+
+
+def test_the_flag_table_lists_every_serve_flag():
+    from nanoserve.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {
+        flag
+        for action in serve._actions
+        if action.help != argparse.SUPPRESS
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help"
+    }
+    table = README.split("## `nanoserve serve` flags", 1)[1].split("\n## ", 1)[0]
+    first_cells = [row.split("|")[1] for row in table.splitlines() if row.startswith("| `--")]
+    in_table = {flag for cell in first_cells for flag in re.findall(r"`(--[a-z-]+)`", cell)}
+    assert in_table == flags
+
+
+def test_architecture_doc_links_stay_inside_the_repository():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        assert "://" not in target, target
+        assert (ROOT / "docs" / target.split("#")[0]).resolve().is_relative_to(ROOT), target
+        assert (ROOT / "docs" / target.split("#")[0]).exists(), target
+    assert "/work/" not in text and "shared/" not in text

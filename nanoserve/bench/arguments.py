@@ -10,6 +10,7 @@ from pathlib import Path
 from nanoserve.bench import workloads
 from nanoserve.bench.arms import DEFAULT_VLLM_VENV
 from nanoserve.bench.models import PRESETS
+from nanoserve.help_format import DefaultsHelpFormatter
 
 DESCRIPTION = (
     "Serving benchmark: start each server, send every one the same requests, print one table."
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="nanoserve bench",
         description=DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "--workload",
@@ -56,19 +57,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--arm",
         action="append",
         default=None,
-        help="nanoserve | hf | vllm | url=NAME=http://host:port | cmd=NAME='cmd {port} {model}' "
+        help="nanoserve | hf | vllm (builds a ~3.4 GB vLLM environment on first use) | "
+        "url=NAME=http://host:port (a server already running) | cmd=NAME='cmd {port} {model}' "
         "(repeat; default: nanoserve and hf)",
     )
     p.add_argument(
         "--baseline", default=None, help="arm the ratios are against (default: nanoserve)"
     )
     model = p.add_argument_group("model")
-    model.add_argument("--model", default=None, help="checkpoint directory every arm loads")
-    model.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
+    model.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory every arm loads (default: a dummy checkpoint of --preset)",
+    )
+    model.add_argument(
+        "--preset",
+        default="qwen3-0.6b",
+        choices=sorted(PRESETS),
+        help="shape of the dummy-weight Qwen3 checkpoint",
+    )
     model.add_argument(
         "--model-dir",
         default=None,
-        help="write (or reuse) the dummy checkpoint here, not in a tmpdir",
+        help="write (or reuse) the dummy checkpoint here (default: a temporary directory)",
     )
     _add_load_arguments(p)
     _add_workload_arguments(p)
@@ -81,19 +92,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="results go to OUTPUT_ROOT/<date>-<workload>/; a relative path is relative to the "
         "current directory",
     )
-    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return p
 
 
 def _add_load_arguments(p: argparse.ArgumentParser) -> None:
     load = p.add_argument_group("load")
     load.add_argument("--seed", type=int, default=0, help="seed of every random choice")
-    load.add_argument("--threads", type=int, default=os.cpu_count(), help="compute threads per arm")
+    load.add_argument(
+        "--threads", type=int, default=os.cpu_count(),
+        help="compute threads per arm (default: every CPU, here %(default)s)",
+    )  # fmt: skip
     load.add_argument("--num-warmup", type=int, default=2, help="uncounted requests per workload")
-    load.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf")
+    load.add_argument(
+        "--request-rate", type=float, default=math.inf,
+        help="requests per second, Poisson arrivals; inf sends all at once",
+    )  # fmt: skip
     load.add_argument("--max-concurrency", type=int, default=1, help="shared-prefix concurrency")
-    load.add_argument("--request-timeout-s", type=float, default=600.0)
-    load.add_argument("--startup-timeout-s", type=float, default=900.0)
+    load.add_argument(
+        "--request-timeout-s", type=float, default=600.0, help="seconds one request may take"
+    )
+    load.add_argument(
+        "--startup-timeout-s", type=float, default=900.0,
+        help="seconds a server the benchmark starts may take to answer /health (loading a model)",
+    )  # fmt: skip
+    load.add_argument(
+        "--url-timeout-s", type=float, default=30.0,
+        help="seconds a url= arm (already running) may take to answer /health or /v1/models",
+    )  # fmt: skip
     load.add_argument(
         "--rounds",
         type=int,
@@ -106,9 +132,11 @@ def _add_load_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     board = p.add_argument_group("scoreboard")
-    board.add_argument("--scoreboard-prompts", type=int, default=8)
-    board.add_argument("--scoreboard-max-tokens", type=int, default=50)
-    board.add_argument("--scoreboard-concurrency", type=int, default=8)
+    board.add_argument("--scoreboard-prompts", type=int, default=8, help="prompts")
+    board.add_argument("--scoreboard-max-tokens", type=int, default=50, help="tokens per reply")
+    board.add_argument(
+        "--scoreboard-concurrency", type=int, default=8, help="the concurrent phase's level"
+    )
     sweep = p.add_argument_group("sweep")
     sweep.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated levels")
     sweep.add_argument("--input-len", type=int, default=128, help="prompt tokens")
@@ -117,18 +145,25 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
         "--num-prompts", type=int, default=None, help="per level (default max(8, 2×concurrency))"
     )
     typing = p.add_argument_group("autocomplete")
-    typing.add_argument("--autocomplete-file", type=Path, default=None, help="default: textwrap.py")
+    typing.add_argument(
+        "--autocomplete-file",
+        type=Path,
+        default=None,
+        help="Python file typed (default: the standard library's textwrap.py)",
+    )
     typing.add_argument("--autocomplete-context", type=int, default=256, help="chars typed already")
     typing.add_argument("--autocomplete-chars", type=int, default=120, help="chars to type")
     typing.add_argument("--typing-cps", type=float, default=8.0, help="typing speed, chars/s")
-    typing.add_argument("--debounce-ms", type=float, default=50.0)
-    typing.add_argument("--autocomplete-max-tokens", type=int, default=10)
+    typing.add_argument(
+        "--debounce-ms", type=float, default=50.0, help="pause after a key before a request"
+    )
+    typing.add_argument("--autocomplete-max-tokens", type=int, default=10, help="per request")
     prefix = p.add_argument_group("shared-prefix")
-    prefix.add_argument("--num-groups", type=int, default=4)
-    prefix.add_argument("--prompts-per-group", type=int, default=4)
+    prefix.add_argument("--num-groups", type=int, default=4, help="groups of prompts")
+    prefix.add_argument("--prompts-per-group", type=int, default=4, help="prompts per group")
     prefix.add_argument("--prefix-len", type=int, default=1000, help="shared prompt tokens")
     prefix.add_argument("--question-len", type=int, default=24, help="distinct tokens per prompt")
-    prefix.add_argument("--prefix-output-len", type=int, default=16)
+    prefix.add_argument("--prefix-output-len", type=int, default=16, help="output tokens")
 
 
 def _add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,5 +180,8 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="OMP_WAIT_POLICY for every arm (default: each server's own choice)",
     )
-    servers.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
+    servers.add_argument(
+        "--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
+        help="the vLLM arm's virtual environment, built there on first use",
+    )  # fmt: skip
     servers.add_argument("--vllm-args", default="", help="extra arguments for vLLM (one string)")

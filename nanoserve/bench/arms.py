@@ -75,8 +75,9 @@ class ArmOptions:
 
     threads: int
     max_model_len: int
-    startup_timeout_s: float
-    log_dir: Path
+    startup_timeout_s: float  # for a server the benchmark starts (it loads a model)
+    log_dir: Path  # kept after the run: failure messages point at the logs in it
+    url_timeout_s: float = 30.0  # for a url= arm, which should be answering already
     nanoserve_args: list[str] = field(default_factory=list)
     vllm_venv: Path = DEFAULT_VLLM_VENV
     vllm_args: list[str] = field(default_factory=list)
@@ -212,27 +213,48 @@ class Server:
         description = {"threads": "unknown", "dtype": "unknown", "mode": "unknown"}
         return None, {"server": self.spec.url, **description}
 
+    @property
+    def ready_timeout_s(self) -> float:
+        """How long `start` waits for the server to answer."""
+        is_url = self.spec.kind == "url"
+        return self.options.url_timeout_s if is_url else self.options.startup_timeout_s
+
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.options.startup_timeout_s
+        deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
                     f"arm {self.spec.name} exited with code {self.process.returncode} before it "
                     f"was ready; last lines of {self.log_path}:\n{self.log_tail()}"
                 )
-            for path in ("/health", "/v1/models"):
-                try:
-                    if httpx.get(self.base_url + path, timeout=5).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass  # not listening yet
+            if self._is_ready():
+                return
             time.sleep(0.25)
         self.stop()
+        if self.process is None:
+            flag = "--url-timeout-s"
+            where = "it is not started by the benchmark: is it running?"
+        else:
+            flag = "--startup-timeout-s"
+            where = f"last lines of {self.log_path}:\n{self.log_tail()}"
         raise RuntimeError(
-            f"arm {self.spec.name} was not ready at {self.base_url}/health within "
-            f"{self.options.startup_timeout_s:.0f} s; last lines of {self.log_path}:\n"
-            f"{self.log_tail()}"
+            f"arm {self.spec.name} did not answer at {self.base_url}/health or /v1/models "
+            f"within {self.ready_timeout_s:.0f} s ({flag}); {where}"
         )
+
+    def _is_ready(self) -> bool:
+        """/health says 200; a server without /health (404) is ready once /v1/models answers.
+
+        A /health that answers anything else (503 while a model loads) is not ready, whatever
+        /v1/models says.
+        """
+        try:
+            health = httpx.get(self.base_url + "/health", timeout=5).status_code
+            if health != 404:
+                return health == 200
+            return httpx.get(self.base_url + "/v1/models", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False  # not listening yet
 
     def _version(self) -> str | None:
         """What /version says (nanoserve and vLLM have it), or None."""

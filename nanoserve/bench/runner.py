@@ -82,7 +82,12 @@ def _failure(name: str, exc: Exception) -> str:
 
 def _start(server: Server) -> None:
     name = server.spec.name
-    print(f"[{name}] starting...", file=sys.stderr, flush=True)
+    what = "waiting for" if server.spec.kind == "url" else "starting; waiting for"
+    print(
+        f"[{name}] {what} it to answer, at most {server.ready_timeout_s:.0f} s...",
+        file=sys.stderr,
+        flush=True,
+    )
     started = time.perf_counter()
     server.start()
     print(

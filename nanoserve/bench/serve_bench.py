@@ -24,7 +24,7 @@ from nanoserve.bench.arguments import parse_args
 from nanoserve.bench.arms import ArmOptions, ArmSpec, parse_arm
 from nanoserve.bench.machine import describe_machine, warn_if_busy
 from nanoserve.bench.models import decode_weight_bytes, make_dummy_checkpoint
-from nanoserve.bench.results import write_outputs
+from nanoserve.bench.results import results_dir, write_outputs
 from nanoserve.bench.runner import pool_rounds, run_arms_in_rounds, run_arms_in_turn
 from nanoserve.bench.workloads import PromptMaker, Workload
 
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, run_info = _prepare_model(args, Path(tmp))
         run_info = _run_info(args, argv, model_dir, run_info)
         built = build_workloads(args, PromptMaker(model_dir, args.seed))
-        log_dir = Path(tmp) / "logs"
+        # The servers' logs stay where failure messages say they are, beside the results.
+        log_dir = results_dir(args.output_root, "logs").resolve()
         options = _arm_options(args, log_dir)
         warn_if_busy(run_info["machine"]["load_average_at_start"])
         if args.rounds == 1:
@@ -89,6 +90,7 @@ def _arm_options(args: argparse.Namespace, log_dir: Path) -> ArmOptions:
         threads=args.threads,
         max_model_len=args.max_model_len,
         startup_timeout_s=args.startup_timeout_s,
+        url_timeout_s=args.url_timeout_s,
         log_dir=log_dir,
         nanoserve_args=args.nanoserve_args.split(),
         vllm_venv=args.vllm_venv,

@@ -19,7 +19,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from nanoserve.engine.layers.linear import Linear, LinearMethod
+from nanoserve.engine.layers.linear import DENSE, Linear, LinearMethod
 
 logger = logging.getLogger("nanoserve.cpu_linear")
 
@@ -91,7 +91,7 @@ def install_packed_linears(model: nn.Module, keep_plain_weights: bool) -> int:
     """Switch every packable Linear of `model` to packed weights; returns how many."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     method = PackedLinearMethod(keep_plain_weights)
-    packable = [m for m in layers if m.weight is not None and can_pack(m.weight)]
+    packable = [m for m in layers if m.method is DENSE and can_pack(m.weight)]
     for layer in packable:
         layer.method = method
         method.process_weights(layer)

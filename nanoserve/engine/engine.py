@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
 from nanoserve.checkpoint import load_generation_config_eos
 from nanoserve.config import EngineConfig
 from nanoserve.engine import loader
+from nanoserve.engine.distributed.parallel import TensorParallel
 from nanoserve.engine.kv_cache_manager import KVCacheManager
-from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.model_runner import ModelRunner, QuantizationChoice
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_batch import seeded_generator
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.protocol import EngineStats, RequestDelta
+from nanoserve.engine.structured.manager import StructuredOutputManager
+from nanoserve.protocol import EngineStats, RequestDelta, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoserve.engine")
@@ -24,12 +27,12 @@ logger = logging.getLogger("nanoserve.engine")
 class Engine:
     """Loads a model, owns the scheduler and model runner, and runs engine steps."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.config = config
         started = time.perf_counter()
         self.device = loader.resolve_device(config.device)
         torch.manual_seed(config.seed)
-        model, self.model_config, self.model_path = loader.load_model(config, self.device)
+        model, self.model_config, self.model_path = loader.load_model(config, self.device, tp=tp)
         self.dtype = next(model.parameters()).dtype
         self.load_time_s = time.perf_counter() - started
 
@@ -46,6 +49,13 @@ class Engine:
             config.scheduler_config(self.max_model_len),
             self.device,
             compile_decode=config.use_compiled_decode,
+            enforce_eager=config.enforce_eager,
+            quantization=QuantizationChoice(
+                config.quantization,
+                include_lm_head=config.quantize_lm_head,
+                checkpoint_fp8=self.model_config.quantization is not None,
+            ),
+            tp=tp,
         )
         self.kv_sizing_time_s = time.perf_counter() - started
         self._fit_max_model_len_to_kv_cache()
@@ -53,6 +63,9 @@ class Engine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), kv_manager)
+        self.structured = StructuredOutputManager(
+            self.model_path, self.vocab_size, self.eos_token_ids
+        )
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -108,6 +121,8 @@ class Engine:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         if params.seed is not None:
             request.generator = seeded_generator(params.seed, self.device)
+        if params.structured_outputs is not None:
+            request.grammar_future = self.structured.compile(params.structured_outputs)
         self.scheduler.add_request(request)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -118,23 +133,41 @@ class Engine:
         """Schedule, execute, update: one forward pass over the running batch."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            self._wait_for_a_grammar()
             return []
-        token_ids, logprobs = self.runner.execute(scheduled, self.eos_token_ids)
-        return self.scheduler.update(scheduled, token_ids, logprobs)
+        token_ids: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        if scheduled.requests:
+            token_ids, logprobs, prompt_logprobs = self.runner.execute(
+                scheduled, self.eos_token_ids, self.structured.start_masks
+            )
+        return self.scheduler.update(scheduled, token_ids, logprobs, prompt_logprobs)
+
+    def _wait_for_a_grammar(self) -> None:
+        """Nothing could run: if requests wait for their grammar, block briefly on those."""
+        pending = [r.grammar_future for r in self.scheduler.waiting if r.grammar_future]
+        if pending:
+            wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def warm_up(self) -> None:
-        """Run a prefill and decode steps at batch sizes 1 and 2 before serving.
+        """Prefill, then decode steps at batch sizes 1 and 2 before serving.
 
-        Lazy initialisation (and, with `compile_decode`, compilation for dynamic batch sizes)
-        happens here instead of inside the first users' requests.
+        Lazy initialisation happens here instead of inside the first users' requests. With
+        `compile_decode` the decode steps also cross from a one-block context into a second
+        block: torch.compile specializes sizes 1 apart from larger ones, both of the batch and
+        of the block-table width, so the four graphs the first requests need (and that every
+        larger batch and context reuses) are compiled before Ready.
         """
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        self.add_request("warmup-0", [1, 2, 3, 4], params)
-        for _ in range(2):
-            self.step()
-        self.add_request("warmup-1", [5, 6, 7], params)
-        while self.has_unfinished_requests():
-            self.step()
+        num_tokens = 2
+        if self.config.use_compiled_decode:
+            num_tokens = min(self.runner.block_size + 2, self.max_model_len - 2)
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+        for request_ids in (["warmup-0"], ["warmup-1", "warmup-2"]):
+            for index, request_id in enumerate(request_ids):
+                self.add_request(request_id, [1 + index, 2 + index], params)
+            while self.has_unfinished_requests():
+                self.step()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

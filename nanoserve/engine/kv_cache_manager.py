@@ -144,13 +144,14 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """The longest run of cached full blocks at the start of the request's tokens.
 
-        Returns (block ids, number of tokens they hold). At most `num_tokens - 1` tokens are
-        taken from the cache: the last token must run through the model to produce logits.
+        Returns (block ids, number of tokens they hold), at most `request.max_cached_prefix_tokens`
+        tokens: the last token must run through the model to produce logits, and so must prompt
+        positions whose logprobs are asked for.
         """
         if not self.enable_prefix_caching:
             return [], 0
         hashes = self._hashes_for(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = request.max_cached_prefix_tokens // self.block_size
         block_ids = []
         for block_hash in hashes[:max_hit_blocks]:
             block_id = self.pool.lookup(block_hash)

@@ -27,10 +27,12 @@ from nanoserve.checkpoint import (
     weight_files,
 )
 from nanoserve.config import DTYPES, EngineConfig, ModelConfig
-from nanoserve.engine.layers.linear import MergedLinear
+from nanoserve.engine.distributed.parallel import TensorParallel
+from nanoserve.engine.layers.linear import CheckpointSlice, CheckpointTargets
 from nanoserve.engine.layers.norm import RMSNorm
 from nanoserve.engine.models.llama import LlamaForCausalLM
 from nanoserve.engine.models.registry import get_model_class
+from nanoserve.engine.quantization import fp8
 
 logger = logging.getLogger("nanoserve.loader")
 
@@ -50,7 +52,10 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
+        raise ValueError(
+            f"device '{device}' was asked for, but this torch ({torch.__version__}) sees no CUDA "
+            "device; use device 'cpu' (device 'auto' picks CUDA when there is one)"
+        )
     return torch.device(device)
 
 
@@ -72,19 +77,29 @@ def load_model(
     config: EngineConfig,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
-    """Resolve, build and fill the model named by `config` (weights or seeded random values)."""
+    """Resolve, build and fill the model named by `config` (weights or seeded random values).
+
+    With tensor parallelism (`tp`) the model holds this rank's shard, read from the checkpoint
+    slice by slice: no process ever holds the whole model.
+    """
     device = torch.device(device) if device is not None else resolve_device(config.device)
-    model_dir = resolve_checkpoint(config.model, config.load_format)
+    model_dir = resolve_checkpoint(
+        config.model,
+        config.load_format,
+        revision=config.revision,
+        download_dir=config.download_dir,
+    )
     model_config = load_model_config(model_dir)
     dtype = dtype or resolve_dtype(config.dtype, model_config.torch_dtype, device)
-    model = build_model(model_config, device, dtype)
-    num_params = sum(p.numel() for p in model.parameters())
+    model = build_model(model_config, device, dtype, tp)
+    num_params = sum(p.numel() for p in model.parameters())  # a tied head is counted once
     logger.info(
-        "%s: %s, %.2fB parameters, %s on %s",
+        "%s: %s, %s parameters, %s on %s",
         config.model,
         model_config.architecture,
-        num_params / 1e9,
+        format_count(num_params),
         str(dtype).removeprefix("torch."),
         device,
     )
@@ -95,8 +110,19 @@ def load_model(
     return LoadedModel(model, model_config, model_dir)
 
 
+def format_count(count: int) -> str:
+    """4197120 -> '4.20M', 1720574976 -> '1.72B': a parameter count as people write it."""
+    for divisor, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= divisor:
+            return f"{count / divisor:.2f}{suffix}"
+    return str(count)
+
+
 def build_model(
-    model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """The model with uninitialized `dtype` weights on `device`, in eval mode.
 
@@ -104,7 +130,9 @@ def build_model(
     """
     model_class = get_model_class(model_config.architecture)
     with torch.device("meta"):
-        model = model_class(model_config)
+        model = model_class(model_config, tp)
+    if device.type == "cuda":
+        _check_weights_fit(model, device, dtype)
     materialized: dict[int, nn.Parameter] = {}  # id(meta param) -> real param; keeps ties tied
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
@@ -118,27 +146,56 @@ def build_model(
     return model.eval()
 
 
-def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Checkpoint tensor name -> the tensor (or rows of a fused tensor) it is copied into.
+def _check_weights_fit(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """An explicit error, before allocating, when the GPU cannot hold the weights."""
+    unique = {id(p): p for p in model.parameters()}.values()  # a tied head counts once
+    weight_bytes = sum(p.numel() for p in unique) * torch.finfo(dtype).bits // 8
+    free, total = torch.cuda.mem_get_info(device)
+    if weight_bytes > free:
+        raise ValueError(
+            f"the model's weights need {weight_bytes / 2**30:.1f} GiB in "
+            f"{str(dtype).removeprefix('torch.')}, but {device} has {free / 2**30:.1f} GiB free "
+            f"of {total / 2**30:.1f} GiB; use a smaller model or dtype, or a larger GPU"
+        )
 
-    A tied lm_head shares the embedding's tensor, so only `model.embed_tokens.weight` appears.
+
+def checkpoint_tensors(model: nn.Module) -> CheckpointTargets:
+    """Checkpoint tensor name -> (the parameter, or part of it, it fills; the slice to read).
+
+    Layers that fuse or shard their weights say where each checkpoint tensor goes
+    (`checkpoint_targets`). A tied lm_head shares the embedding's tensor, so only
+    `model.embed_tokens.weight` appears.
     """
-    destinations: dict[str, torch.Tensor] = {}
+    destinations: CheckpointTargets = {}
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            if isinstance(module, MergedLinear):
-                parent = module_name.rpartition(".")[0]
-                for shard_name in module.shard_names:
-                    destinations[f"{parent}.{shard_name}.{param_name}"] = module.shard(
-                        param, shard_name
-                    )
+            targets = getattr(module, "checkpoint_targets", None)
+            if targets is not None:
+                destinations.update(targets(module_name, param_name, param))
             else:
-                destinations[f"{module_name}.{param_name}"] = param
+                destinations[f"{module_name}.{param_name}"] = (param, None)
     return destinations
+
+
+def read_tensor(
+    handle, name: str, source: CheckpointSlice | None, scales: dict[str, torch.Tensor], block
+) -> torch.Tensor:
+    """The part of checkpoint tensor `name` that `source` names (all of it for None).
+
+    A block-scaled FP8 weight is read whole and dequantized first (its blocks straddle shards).
+    """
+    if name in scales:
+        tensor = fp8.dequantize(handle.get_tensor(name), scales[name], block)
+        return tensor if source is None else tensor.narrow(source.dim, source.start, source.length)
+    if source is None:
+        return handle.get_tensor(name)
+    piece = handle.get_slice(name)  # reads only the slice from disk
+    end = source.start + source.length
+    return piece[source.start : end] if source.dim == 0 else piece[:, source.start : end]
 
 
 def _is_ignorable(name: str, tie_word_embeddings: bool) -> bool:
@@ -154,11 +211,15 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     destinations = checkpoint_tensors(model)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     files = weight_files(Path(model_dir))
+    block_size = fp8.block_size_of(getattr(getattr(model, "config", None), "quantization", None))
+    scales = _read_fp8_scales(files) if block_size is not None else {}
     names_by_file: dict[Path, list[str]] = {}
     for file in files:  # headers only: check names before copying anything
         with safe_open(file, framework="pt", device="cpu") as f:
             names = f.keys()  # a safe_open handle is not iterable itself
-        names_by_file[file] = [n for n in names if not _is_ignorable(n, tied)]
+        names_by_file[file] = [
+            n for n in names if not _is_ignorable(n, tied) and not n.endswith(fp8.SCALE_SUFFIX)
+        ]
     found = {name for names in names_by_file.values() for name in names}
     missing = sorted(set(destinations) - found)
     unexpected = sorted(found - set(destinations))
@@ -168,15 +229,19 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             f"missing tensors {_preview(missing)}; unexpected tensors {_preview(unexpected)}"
         )
 
-    total = len(found)
-    log_every = max(1, total // 10)
-    done = 0
     with torch.no_grad():
         for shard_index, file in enumerate(files, start=1):
+            logger.info(
+                "loading weights: shard %d/%d (%s, %.1f MB)",
+                shard_index,
+                len(files),
+                file.name,
+                file.stat().st_size / 1e6,
+            )
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in names_by_file[file]:
-                    tensor = f.get_tensor(name)
-                    destination = destinations[name]
+                    destination, source = destinations[name]
+                    tensor = read_tensor(f, name, source, scales, block_size)
                     if tensor.shape != destination.shape:
                         raise ModelLoadError(
                             f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, "
@@ -184,16 +249,18 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                         )
                     destination.copy_(tensor)  # casts to the model dtype, moves to its device
                     del tensor
-                    done += 1
-                    if done % log_every == 0 or done == total:
-                        logger.info(
-                            "loading weights: shard %d/%d, %d/%d tensors",
-                            shard_index,
-                            len(files),
-                            done,
-                            total,
-                        )
-    logger.info("loaded %d tensors in %.1f s", total, time.perf_counter() - started)
+    logger.info("loaded %d tensors in %.1f s", len(found), time.perf_counter() - started)
+
+
+def _read_fp8_scales(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Weight name -> its block scales, for every `*_scale_inv` tensor (they are small)."""
+    scales = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.endswith(fp8.SCALE_SUFFIX):
+                    scales[name.removesuffix(fp8.SCALE_SUFFIX)] = f.get_tensor(name)
+    return scales
 
 
 def _preview(names: list[str], limit: int = 5) -> str:

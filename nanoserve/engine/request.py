@@ -6,11 +6,15 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from nanoserve.protocol import FinishReason
+from nanoserve.protocol import FinishReason, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
+
+    from nanoserve.engine.structured.grammar import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,6 +59,26 @@ class Request:
         self.stop_reason: int | None = None  # the stop token id that ended it, if any
         self.generator: torch.Generator | None = None  # per-request RNG when seeded
         self.first_scheduled_time: float | None = None
+        # With `prompt_logprobs`: how many prompt positions are scored, and the entries not yet
+        # sent (position j's logprobs of prompt token j + 1); the first delta takes them.
+        self.num_scored_prompt_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.grammar: GrammarState | None = None  # structured output: advanced per token
+        self.grammar_future: Future[GrammarState] | None = None  # the grammar being built
+
+    def is_grammar_pending(self) -> bool:
+        """True while the request's grammar is being built (it cannot run yet).
+
+        Once built, it moves into `grammar`; a grammar that failed to build raises ValueError.
+        """
+        future = self.grammar_future
+        if future is None:
+            return False
+        if not future.done():
+            return True
+        self.grammar_future = None
+        self.grammar = future.result()
+        return False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,6 +95,29 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """max_tokens == 0: run the prompt (e.g. to score it) and sample nothing."""
+        return self.sampling_params.max_tokens == 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some prompt position's logprobs are asked for and not computed yet."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and self.num_scored_prompt_tokens < self.num_prompt_tokens - 1
+
+    @property
+    def max_cached_prefix_tokens(self) -> int:
+        """How many leading tokens a prefix-cache hit may cover.
+
+        Never the last token: it must run to give the logits to sample from. Nor a prompt
+        position whose logprobs are still to be computed: only the rows that run give logits,
+        so such a position is recomputed, not read from the cache.
+        """
+        if self.needs_prompt_logprobs:
+            return self.num_scored_prompt_tokens
+        return self.num_tokens - 1
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from nanoserve.engine.structured.manager import GrammarMasks
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class SamplingBatch:
     logprob_rows: list[int]  # the R rows that asked for logprobs
     num_logprobs: list[int]  # [R]: how many top alternatives each of them wants
     logprob_index: torch.Tensor | None  # [R] long: logprob_rows on the device; None when R = 0
+    grammar_masks: GrammarMasks | None = None  # structured output; set once computed
 
     @classmethod
     def build(

@@ -36,10 +36,11 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)  # same order as the dict
     num_preempted: int = 0
+    failed: list[Request] = field(default_factory=list)  # their grammar failed to build
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests
+        return not self.requests and not self.failed
 
 
 class Scheduler:
@@ -105,9 +106,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in order while the budget, max_num_seqs and blocks allow."""
+        """Admit waiting requests in order while the budget, max_num_seqs and blocks allow.
+
+        A request whose grammar is still being built keeps its place and is passed over.
+        """
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._has_grammar_ready(out, request, passed_over):
+                continue
             cached_blocks, num_cached = self.kv.find_cached_prefix(request)
             num_new = self._num_tokens_to_run(request, budget, num_cached)
             if num_new == 0 or not self.kv.can_allocate(request, num_new, cached_blocks):
@@ -124,6 +131,21 @@ class Scheduler:
             self.running.append(request)
             self._record(out, request, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
+
+    def _has_grammar_ready(
+        self, out: SchedulerOutput, request: Request, passed_over: list[Request]
+    ) -> bool:
+        """False if `request` (the head of the queue) cannot run yet; it leaves the queue."""
+        try:
+            if not request.is_grammar_pending():
+                return True
+            passed_over.append(self.waiting.popleft())
+        except ValueError:
+            self.waiting.popleft()
+            self._finish(request, FinishReason.ABORT)
+            out.failed.append(request)
+        return False
 
     def _num_tokens_to_run(self, request: Request, budget: int, num_cached: int = 0) -> int:
         """Tokens not yet in the cache, cut to the budget (or 0 if it can't be chunked)."""
@@ -164,42 +186,66 @@ class Scheduler:
         out: SchedulerOutput,
         sampled_token_ids: dict[str, int],
         logprobs: dict[str, TokenLogprobs],
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[RequestDelta]:
         """Advance counters by what ran, append sampled tokens, finish requests that are done."""
-        deltas = []
+        deltas = [
+            RequestDelta(r.request_id, [], finish_reason=FinishReason.ABORT) for r in out.failed
+        ]
         for request in out.requests:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            scored = (prompt_logprobs or {}).get(request.request_id, [])
+            request.prompt_logprobs += scored
+            request.num_scored_prompt_tokens += len(scored)
             token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            if token_id is not None:
+                request.append_output_token(token_id)
+                if request.grammar is not None and not request.grammar.accept(token_id):
+                    request.finish_reason = FinishReason.ABORT  # a bug: the mask allowed it
+                self._check_stop(request, token_id)
+            elif request.is_prompt_only and request.num_computed_tokens == request.num_tokens:
+                request.finish_reason = FinishReason.LENGTH  # the prompt ran; nothing to sample
+            else:
                 continue  # a prompt chunk that is not the last one: nothing sampled yet
-            request.append_output_token(token_id)
-            self._check_stop(request, token_id)
-            token_logprobs = logprobs.get(request.request_id)
-            deltas.append(
-                RequestDelta(
-                    request_id=request.request_id,
-                    new_token_ids=[token_id],
-                    logprobs=[token_logprobs] if token_logprobs is not None else None,
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    queue_time_s=self._queue_time_once(request),
-                )
-            )
+            deltas.append(self._delta(request, logprobs.get(request.request_id)))
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._finish(request, request.finish_reason)
         return deltas
 
     @staticmethod
+    def _delta(request: Request, token_logprobs: TokenLogprobs | None) -> RequestDelta:
+        """What this step added to `request`: its new token (none when prompt-only); the first
+        delta also takes the request's prompt logprobs."""
+        is_first = request.num_output_tokens <= 1  # prompt-only requests send one delta, empty
+        prompt_logprobs = None
+        if is_first and request.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=request.output_token_ids[-1:],
+            logprobs=[token_logprobs] if token_logprobs is not None else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            queue_time_s=Scheduler._queue_time_once(request) if is_first else None,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    @staticmethod
     def _queue_time_once(request: Request) -> float | None:
-        """Seconds from arrival to first scheduled, reported with the first token only."""
-        if request.num_output_tokens != 1 or request.first_scheduled_time is None:
+        """Seconds from arrival to first scheduled, reported with the first delta only."""
+        if request.first_scheduled_time is None:
             return None
         return request.first_scheduled_time - request.arrival_time
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
+        if request.finish_reason is not None:
+            return
+        if request.grammar is not None and request.grammar.is_terminated:
+            request.finish_reason = FinishReason.STOP  # nothing but EOS could follow
+            return
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 request.finish_reason = FinishReason.STOP
@@ -218,6 +264,10 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.grammar = None  # the matcher's memory goes with it
+        if request.grammar_future is not None:
+            request.grammar_future.cancel()
+            request.grammar_future = None
         self.kv.free(request)
         self.kv.forget(request)
         del self.requests[request.request_id]

@@ -15,7 +15,7 @@ from nanoserve.server.http import json_response
 from nanoserve.server.metrics import CONTENT_TYPE
 from nanoserve.server.openapi import json_body_schema
 from nanoserve.server.request_body import read_json_body
-from nanoserve.server.state import server_state
+from nanoserve.server.state import ServerState, server_state
 
 router = APIRouter()
 
@@ -37,15 +37,27 @@ async def prometheus_metrics(request: Request) -> Response:
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> Response:
-    state = server_state(request)
+def model_cards(state: ServerState) -> list[ModelCard]:
+    """One card per served name."""
     info = state.client.info
-    cards = [
+    return [
         ModelCard(id=name, root=state.config.model, max_model_len=info.max_model_len if info else 0)
         for name in state.config.served_model_names
     ]
-    return json_response(ModelList(data=cards))
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    state = server_state(request)
+    return json_response(ModelList(data=model_cards(state)))
+
+
+@router.get("/v1/models/{model_id:path}")  # hub names have a slash: Qwen/Qwen3-1.7B
+async def model(request: Request, model_id: str) -> Response:
+    for card in model_cards(server_state(request)):
+        if card.id == model_id:
+            return json_response(card)
+    raise APIError(f"The model `{model_id}` does not exist.", 404, "model")
 
 
 @router.post("/tokenize", openapi_extra=json_body_schema(TokenizeRequest))
@@ -58,7 +70,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         serving.check_prompt_chars(len(body.prompt), "prompt")
         tokens = await state.pool.encode(body.prompt, body.add_special_tokens)
     elif body.messages is not None and body.prompt is None:
-        tokens = await serving.prompt(
+        tokens = await serving.render(
             body.messages,
             body.add_generation_prompt,
             body.chat_template,

@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializeAsAny,
     StrictInt,
     TypeAdapter,
     ValidationError,
@@ -37,9 +38,36 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
-    """`stream_options`: whether to end a stream with a usage chunk."""
+    """`stream_options`: end a stream with a usage chunk; with it, usage on every chunk too."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, regex, choice list or grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """`response_format.json_schema`: a named schema; `strict` is always honoured."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """`response_format`: plain text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -65,6 +93,14 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of every prompt token (no streaming)
+    # Structured output: vLLM's field, its older guided_* names, and OpenAI's response_format.
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -135,6 +171,33 @@ class ChatMessage(OpenAIModel):
     content: str | list[ContentPart] | None = None
 
 
+class FunctionDefinition(OpenAIModel):
+    """A function the model may call: its name, what it does, a JSON schema of its arguments."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    """`tool_choice` naming one function: `{"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -147,6 +210,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # template text; only with --trust-request-chat-template
     reasoning_effort: str | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -189,14 +255,32 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's logprob of one token at one prompt position, its rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: token id -> its entry (the prompt token and the top ones); None for the first.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
-    """One choice of a completion (also the shape of a stream chunk's choice)."""
+    """One choice of a stream chunk (and the base of a whole completion's choice)."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class CompletionResponseChoice(CompletionChoice):
+    """One choice of a whole completion."""
+
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -206,7 +290,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[SerializeAsAny[CompletionChoice]]
     usage: UsageInfo | None = None
 
 
@@ -230,11 +314,27 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    """The function a tool call calls; `arguments` is a JSON object's text."""
+
+    name: str
+    arguments: str
+
+
+class ChatToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
-    """The assistant's reply."""
+    """The assistant's reply: text, tool calls, or both."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ChatToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -256,13 +356,14 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatChunkChoice(BaseModel):
     """One choice of a chat stream chunk; `delta` holds only what is new."""
 
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]  # role, content, tool_calls: only what is new
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -3,6 +3,7 @@
 admin.py         /health /version /metrics /v1/models /tokenize /detokenize
 completions.py   /v1/completions
 chat.py          /v1/chat/completions
+responses.py     /v1/responses, GET and DELETE /v1/responses/{id}
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from nanoserve import __version__
-from nanoserve.server import admin, chat, completions
+from nanoserve.server import admin, chat, completions, responses
 from nanoserve.server.auth import ApiKeyMiddleware
 from nanoserve.server.engine_client import EngineClient
 from nanoserve.server.errors import install_error_handlers
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.request_body import ClientDisconnected
+from nanoserve.server.response_store import ResponseStore
 from nanoserve.server.state import ServerConfig, ServerState
 from nanoserve.server.tokenizer_pool import TokenizerPool
 
@@ -37,6 +39,7 @@ def create_app(
     """
     metrics = ServerMetrics(config.served_model_names[0])
     pool = TokenizerPool(tokenizer)
+    chat_serving = chat.ChatServing(client, pool, metrics, config)
     state = ServerState(
         config=config,
         client=client,
@@ -44,7 +47,8 @@ def create_app(
         pool=pool,
         metrics=metrics,
         completions=completions.CompletionServing(client, pool, metrics, config),
-        chat=chat.ChatServing(client, pool, metrics, config),
+        chat=chat_serving,
+        responses=responses.ResponsesServing(chat_serving, ResponseStore()),
     )
 
     @asynccontextmanager
@@ -66,7 +70,7 @@ def create_app(
         metrics.http_requests_client_disconnected.inc()
         return Response(status_code=499)  # nobody is listening any more
 
-    for module in (admin, completions, chat):
+    for module in (admin, completions, chat, responses):
         app.include_router(module.router)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

@@ -19,6 +19,7 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.server.api_models import ChatMessage
+from nanoserve.server.chat_tools import templated_tool_calls
 from nanoserve.server.errors import APIError
 from nanoserve.server.tokenizer_pool import TokenizerPool
 from nanoserve.tokenizer import render_chat_template
@@ -45,6 +46,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if isinstance(message.content, list):
             item["content"] = [p.model_dump(exclude_none=True) for p in message.content]
         item.setdefault("content", "")
+        if "tool_calls" in item:
+            item["tool_calls"] = templated_tool_calls(item["tool_calls"])
         rendered.append(item)
     return rendered
 

@@ -1,4 +1,10 @@
-"""POST /v1/completions: prompts (text or token ids, fill-in-the-middle) in, text out."""
+"""POST /v1/completions: prompts (text or token ids, fill-in-the-middle) in, text out.
+
+With `echo` the prompt comes back before the completion, and with `logprobs` too the prompt
+tokens' logprobs before the generated ones' (the first prompt token's are null): this is how
+lm-eval scores a continuation. `max_tokens: 0` is allowed with `echo` only: the prompt (and
+its logprobs) without generation.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +15,27 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from nanoserve.output_processor import ChoiceUpdate, PositionLogprobs
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.output_processor import ChoiceState, ChoiceUpdate
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.api_models import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
 )
+from nanoserve.server.constraints import checked_constraint
 from nanoserve.server.errors import APIError
 from nanoserve.server.http import respond
+from nanoserve.server.logprobs import (
+    append_completion_logprobs,
+    prompt_positions,
+    vllm_prompt_logprobs,
+)
 from nanoserve.server.openapi import json_body_schema
 from nanoserve.server.request_body import read_json_body
 from nanoserve.server.request_run import RequestRun
-from nanoserve.server.serving import OpenAIServing, response_id
+from nanoserve.server.serving import OpenAIServing, response_id, stream_usage
 from nanoserve.server.state import server_state
 
 # Fill-in-the-middle tokens (prefix, suffix, middle) of the code models that have them.
@@ -60,15 +73,27 @@ class CompletionServing(OpenAIServing):
         # Before any tokenizing: every choice of every prompt must fit in the waiting queue.
         self.check_capacity(len(items) * request.n, "n" if request.n > 1 else "prompt")
         prompts, texts = await self.prompts(request, items)
-        params = [self._params(request, prompt) for prompt in prompts]
+        constraint = await checked_constraint(request)
+        params = [self._params(request, prompt, constraint) for prompt in prompts]
         return self.start_run(prompts, params, "cmpl"), texts
 
-    def _params(self, request: CompletionRequest, prompt: list[int]) -> SamplingParams:
-        self.check_max_tokens(len(prompt), request.max_tokens, "max_tokens")
+    def _params(
+        self,
+        request: CompletionRequest,
+        prompt: list[int],
+        constraint: StructuredOutputsParams | None,
+    ) -> SamplingParams:
+        minimum = 0 if request.echo else 1  # echo with max_tokens 0: the prompt only
+        self.check_max_tokens(len(prompt), request.max_tokens, "max_tokens", minimum)
         max_tokens = request.max_tokens
         if max_tokens is None:  # null: the rest of the context
             max_tokens = self.max_model_len - len(prompt)
-        return self.make_params(request, max_tokens, request.logprobs)
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs = request.logprobs  # echoed prompt tokens get logprobs too
+        return self.make_params(
+            request, max_tokens, request.logprobs, prompt_logprobs, structured_outputs=constraint
+        )
 
     @staticmethod
     def prompt_items(request: CompletionRequest) -> list[str | list[int]]:
@@ -130,35 +155,41 @@ class CompletionServing(OpenAIServing):
     ) -> CompletionResponse:
         async for _ in run.updates():
             pass
-        choices = []
-        for choice in run.choices:
-            echo = texts[choice.prompt_index] if request.echo else ""
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = CompletionLogprobs()
-                if request.echo:
-                    logprobs = self._echo_logprobs(choice.prompt_token_ids)
-                generated = self._logprobs(choice.logprobs, len(echo))
-                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                    getattr(logprobs, name).extend(getattr(generated, name))
-            choices.append(
-                CompletionChoice(
-                    index=choice.index,
-                    text=echo + choice.text,
-                    logprobs=logprobs,
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                )
-            )
+        choices: list[CompletionChoice] = [
+            self._response_choice(request, choice, texts[choice.prompt_index])
+            for choice in run.choices
+        ]
         return CompletionResponse(
             id=response_id(run), model=self.model_name, choices=choices, usage=run.usage()
+        )
+
+    def _response_choice(
+        self, request: CompletionRequest, choice: ChoiceState, prompt_text: str
+    ) -> CompletionResponseChoice:
+        echo = prompt_text if request.echo else ""
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if request.echo:
+                self._append_prompt_logprobs(logprobs, choice)
+            append_completion_logprobs(
+                logprobs, choice.token_ids, choice.logprobs, len(echo), self.token_text
+            )
+        return CompletionResponseChoice(
+            index=choice.index,
+            text=echo + choice.text,
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+            prompt_logprobs=vllm_prompt_logprobs(choice),
         )
 
     async def chunks(
         self, request: CompletionRequest, run: RequestRun, texts: list[str]
     ) -> AsyncIterator[CompletionResponse]:
         chunk_id, created = response_id(run), int(time.time())
-        offsets = {c.index: 0 for c in run.choices}
+        include_usage, continuous_usage = stream_usage(request.stream_options)
+        offsets = {c.index: 0 for c in run.choices}  # text sent so far, per choice
         async for updates in run.updates():
             choices = []
             for update in updates:
@@ -167,9 +198,13 @@ class CompletionServing(OpenAIServing):
                     choices.append(choice)
             if choices:
                 yield CompletionResponse(
-                    id=chunk_id, created=created, model=self.model_name, choices=choices
+                    id=chunk_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=choices,
+                    usage=run.usage() if continuous_usage else None,
                 )
-        if request.stream_options is not None and request.stream_options.include_usage:
+        if include_usage:
             yield CompletionResponse(
                 id=chunk_id, created=created, model=self.model_name, choices=[], usage=run.usage()
             )
@@ -184,12 +219,18 @@ class CompletionServing(OpenAIServing):
         """One choice's part of a stream chunk; None when it has nothing to show yet."""
         choice = update.choice
         text = update.text
+        logprobs = None if request.logprobs is None else CompletionLogprobs()
         if update.is_first and request.echo:
-            text = texts[choice.prompt_index] + text
-        logprobs = None
-        if request.logprobs is not None:
-            logprobs = self._logprobs(update.logprobs, offsets[choice.index])
-        offsets[choice.index] += len(text)
+            prompt_text = texts[choice.prompt_index]
+            if logprobs is not None:
+                self._append_prompt_logprobs(logprobs, choice)
+            offsets[choice.index] += len(prompt_text)
+            text = prompt_text + text
+        if logprobs is not None:
+            append_completion_logprobs(
+                logprobs, update.token_ids, update.logprobs, offsets[choice.index], self.token_text
+            )
+        offsets[choice.index] += len(update.text)
         if not text and logprobs is None and not choice.is_finished:
             return None  # e.g. half of a multi-byte character
         return CompletionChoice(
@@ -200,30 +241,7 @@ class CompletionServing(OpenAIServing):
             stop_reason=choice.stop_reason,
         )
 
-    @staticmethod
-    def _logprobs(positions: list[PositionLogprobs], text_offset: int) -> CompletionLogprobs:
-        result = CompletionLogprobs()
-        for position in positions:
-            top: dict[str, float] = {}
-            for _, token, logprob in position.top:
-                # Best first; tokens whose text is the same (e.g. partial bytes) keep the best.
-                top.setdefault(token, logprob)
-            top.setdefault(position.token, position.logprob)
-            result.tokens.append(position.token)
-            result.token_logprobs.append(position.logprob)
-            result.top_logprobs.append(top)
-            result.text_offset.append(text_offset)
-            text_offset += len(position.token)
-        return result
-
-    def _echo_logprobs(self, prompt_token_ids: list[int]) -> CompletionLogprobs:
-        """Prompt tokens for echo: the engine computes no prompt logprobs, so they are null."""
-        result, offset = CompletionLogprobs(), 0
-        for token_id in prompt_token_ids:
-            token = self.token_text(token_id)
-            result.tokens.append(token)
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
-            result.text_offset.append(offset)
-            offset += len(token)
-        return result
+    def _append_prompt_logprobs(self, logprobs: CompletionLogprobs, choice: ChoiceState) -> None:
+        """The echoed prompt's tokens, text offsets from 0 (the first token's logprob is null)."""
+        positions = prompt_positions(choice)
+        append_completion_logprobs(logprobs, choice.prompt_token_ids, positions, 0, self.token_text)

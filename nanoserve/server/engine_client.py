@@ -30,7 +30,8 @@ from nanoserve.protocol import (
 )
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.request_stream import RequestStream
-from nanoserve.worker.process import WorkerProcess
+from nanoserve.worker.process import start_worker_group
+from nanoserve.worker.ranks import WorkerGroup
 from nanoserve.worker.transport import FrontSockets, IpcDirectory
 
 logger = logging.getLogger("nanoserve.server")
@@ -43,7 +44,11 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStartError(RuntimeError):
-    """The worker failed before it became ready."""
+    """The worker failed before it became ready; `is_config_error`: a bad setting, not a bug."""
+
+    def __init__(self, message: str, is_config_error: bool = False) -> None:
+        super().__init__(message)
+        self.is_config_error = is_config_error
 
 
 class RequestRejectedError(ValueError):
@@ -183,26 +188,40 @@ class ZmqEngineClient(EngineClient):
         self._ipc = IpcDirectory()
         self._generation = 0
         self._sockets: FrontSockets | None = None
-        self._worker: WorkerProcess | None = None
+        self._worker: WorkerGroup | None = None
         self._supervisor: asyncio.Task | None = None
         self._is_closing = False
+        self.start_error: EngineStartError | None = None  # why the first worker never got ready
+        self.on_start_failed: Callable[[EngineStartError], None] | None = None
 
     async def start(self) -> None:
-        """Start the worker and wait until it is ready (raises EngineStartError if it fails)."""
+        """Start the worker in the background and return: until it is ready (the model loads),
+        `is_ready` is False and /health answers 503. If the first worker fails before it is
+        ready, `start_error` says why and `on_start_failed` is called."""
+        self._supervisor = asyncio.create_task(
+            self._start_then_supervise(), name="nanoserve-supervisor"
+        )
+
+    async def _start_then_supervise(self) -> None:
+        logger.info("starting the model worker; /health answers 503 until the model is ready")
         try:
             await self._start_worker()
-        except BaseException:
+        except Exception as error:
             self._stop_worker_now()
-            self._ipc.cleanup()
-            raise
-        self._supervisor = asyncio.create_task(self._supervise(), name="nanoserve-supervisor")
+            self.start_error = (
+                error if isinstance(error, EngineStartError) else EngineStartError(repr(error))
+            )
+            if self.on_start_failed is not None:
+                self.on_start_failed(self.start_error)
+            return
+        await self._supervise()
 
     async def _start_worker(self) -> None:
         self._generation += 1
         addresses = self._ipc.addresses(self._generation)
         self._sockets = FrontSockets(addresses)
         start = time.perf_counter()
-        self._worker = WorkerProcess(
+        self._worker = start_worker_group(
             self.config, addresses, self.log_level, self.heartbeat_interval_s
         )
         while True:
@@ -214,8 +233,12 @@ class ZmqEngineClient(EngineClient):
                         "before it was ready (see its log above)"
                     )
                 continue
+            if isinstance(message, WorkerFailed) and message.is_config_error:
+                raise EngineStartError(message.message, is_config_error=True)
             if isinstance(message, WorkerFailed):
-                raise EngineStartError(f"the model worker failed to start: {message.message}")
+                raise EngineStartError(
+                    f"the model worker failed to start: {message.message} (its traceback is above)"
+                )
             if isinstance(message, Ready):
                 break
         self.info = message

@@ -7,8 +7,9 @@ engine requests aborted at once and is counted in `vllm:http_requests_client_dis
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -18,11 +19,11 @@ from starlette.types import Receive, Scope, Send
 from nanoserve.server.engine_client import EngineDeadError, RequestRejectedError
 from nanoserve.server.errors import APIError
 from nanoserve.server.request_body import ClientDisconnected
-from nanoserve.server.request_run import RequestRun, sse_stream
+from nanoserve.server.request_run import NamedEvent, RequestRun, sse_stream
 from nanoserve.server.serving import service_unavailable
 from nanoserve.server.state import server_state
 
-T = TypeVar("T", bound=BaseModel)
+R = TypeVar("R")
 
 
 class EventStreamResponse(StreamingResponse):
@@ -62,7 +63,7 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def wait_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+async def wait_unless_disconnected(request: Request, work: Awaitable[R]) -> R:
     """Await `work`, but raise ClientDisconnected as soon as the client goes away."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -77,16 +78,17 @@ async def wait_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected
 
 
-def json_response(model: BaseModel) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
+def json_response(body: BaseModel | dict[str, Any]) -> Response:
+    text = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
+    return Response(text, media_type="application/json")
 
 
 async def respond(
     request: Request,
     run: RequestRun,
     stream: bool,
-    chunks: Callable[[], AsyncIterator[BaseModel]],
-    whole: Callable[[], Awaitable[BaseModel]],
+    chunks: Callable[[], AsyncIterator[BaseModel | NamedEvent]],
+    whole: Callable[[], Awaitable[BaseModel | dict[str, Any]]],
 ) -> Response:
     """Stream `chunks()` as SSE, or answer `whole()` as JSON; either way, end the run."""
     metrics = server_state(request).metrics

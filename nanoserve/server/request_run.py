@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -32,13 +33,23 @@ from nanoserve.server.metrics import ServerMetrics
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def sse_frame(payload: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event: `data: <json>` and the blank line that ends it."""
+@dataclass(frozen=True)
+class NamedEvent:
+    """An event with an `event:` name (the Responses API's typed events)."""
+
+    name: str
+    data: dict[str, Any]
+
+
+def sse_frame(payload: BaseModel | dict[str, Any] | NamedEvent) -> str:
+    """One server-sent event: [`event: <name>`,] `data: <json>` and the blank line ending it."""
+    if isinstance(payload, NamedEvent):
+        return f"event: {payload.name}\ndata: {json.dumps(payload.data)}\n\n"
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
 
 
-async def sse_stream(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+async def sse_stream(chunks: AsyncIterator[BaseModel | NamedEvent]) -> AsyncIterator[str]:
     """Frame `chunks` as SSE; an error after the 200 headers becomes an error frame; then DONE."""
     try:
         async for chunk in chunks:

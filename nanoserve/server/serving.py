@@ -12,8 +12,8 @@ from typing import Any
 
 from nanoserve.output_processor import TOKEN_TEXT_CACHE_SIZE, OutputProcessor
 from nanoserve.protocol import Ready
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.server.api_models import SamplingFields
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.server.api_models import SamplingFields, StreamOptions
 from nanoserve.server.engine_client import EngineClient, EngineDeadError
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics
@@ -25,6 +25,10 @@ MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,12}")
+# Prompt logprobs one request may ask for: prompt tokens x choices x (prompt_logprobs + 1).
+# Each entry costs the worker and the front ~100-200 bytes until the response is sent; lm-eval's
+# requests (a few prompts of up to a few thousand tokens, prompt_logprobs 1) need far fewer.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
 RETRY_AFTER_S = "1"
 # Request fields that map one to one onto SamplingParams when they are set.
 SAMPLING_FIELDS = (
@@ -89,7 +93,8 @@ class OpenAIServing:
         return self.max_model_len * self.max_token_chars
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        """Unknown names are a 404; a missing or empty name means the served model (vLLM)."""
+        if model and model not in self.served_model_names:
             raise APIError(
                 f"The model `{model}` does not exist; this server serves "
                 f"{', '.join(self.served_model_names)}",
@@ -150,7 +155,12 @@ class OpenAIServing:
                 f"token ids must be in [0, {limit}), got {bad[:5]} (out of vocabulary)", 400, param
             )
 
-    def check_max_tokens(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+    def check_max_tokens(
+        self, num_prompt: int, max_tokens: int | None, param: str, minimum: int = 1
+    ) -> None:
+        """`minimum` is 0 where a prompt may be run without generating (completions' echo)."""
+        if max_tokens is not None and max_tokens < minimum:
+            raise APIError(f"{param} must be at least {minimum}, got {max_tokens}", 400, param)
         if max_tokens is not None and num_prompt + max_tokens > self.max_model_len:
             raise APIError(
                 f"'{param}' is too large: {max_tokens}. This model's maximum context length is "
@@ -161,11 +171,23 @@ class OpenAIServing:
             )
 
     def make_params(
-        self, request: SamplingFields, max_tokens: int | None, logprobs: int | None
+        self,
+        request: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """The request's SamplingParams (n choices; the output processor fans them out)."""
+        """The request's SamplingParams (n choices; the output processor fans them out).
+
+        `prompt_logprobs` defaults to the request's own field (completions' echo sets it).
+        """
         if not 1 <= request.n <= MAX_N:
             raise APIError(f"n must be in [1, {MAX_N}], got {request.n}", 400, "n")
+        if request.stream and request.prompt_logprobs:
+            raise APIError(
+                "prompt_logprobs are not available when stream is true", 400, "prompt_logprobs"
+            )
         values: dict[str, Any] = {
             name: getattr(request, name)
             for name in SAMPLING_FIELDS
@@ -185,7 +207,14 @@ class OpenAIServing:
             values["seed"] = request.seed
         if request.top_k is not None:
             values["top_k"] = min(request.top_k, self.num_token_ids)  # ≥ vocab: no filter
-        values.update(max_tokens=max_tokens, logprobs=logprobs)
+        if prompt_logprobs is None:
+            prompt_logprobs = request.prompt_logprobs
+        values.update(
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs,
+        )
         try:
             params = SamplingParams(**values)
             params.validate_for_vocab(self.num_token_ids)
@@ -197,7 +226,8 @@ class OpenAIServing:
     def start_run(
         self, prompts: list[list[int]], params: list[SamplingParams], id_prefix: str
     ) -> RequestRun:
-        """Check capacity for every choice of every prompt, then add them to the engine."""
+        """Check sizes and capacity for every choice of every prompt, then add them."""
+        check_prompt_logprobs_size(prompts, params)
         num_choices = [p.n for p in params]
         self.check_capacity(sum(num_choices), "n" if max(num_choices) > 1 else "prompt")
         processor = OutputProcessor(self.tokenizer, self.token_text)
@@ -240,6 +270,32 @@ def _logit_bias(logit_bias: dict[str, float]) -> dict[int, float]:
             "logit_bias",
         )
     return {int(k): v for k, v in logit_bias.items()}
+
+
+def check_prompt_logprobs_size(prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    """Refuse a request whose prompt logprobs would hold more than MAX_PROMPT_LOGPROB_ENTRIES."""
+    num_entries = sum(
+        p.n * (len(prompt) - 1) * (p.prompt_logprobs + 1)
+        for prompt, p in zip(prompts, params, strict=True)
+        if p.prompt_logprobs is not None
+    )
+    if num_entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise APIError(
+            f"prompt logprobs for this request would hold {num_entries} entries (prompt tokens "
+            f"x n x (prompt_logprobs + 1), with echo and logprobs too); the limit is "
+            f"{MAX_PROMPT_LOGPROB_ENTRIES}: send fewer or shorter prompts, or lower n or "
+            "prompt_logprobs",
+            400,
+            "prompt_logprobs",
+        )
+
+
+def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage on every chunk): vLLM's `stream_options`, where
+    `continuous_usage_stats` counts only with `include_usage`."""
+    if options is None:
+        return False, False
+    return options.include_usage, options.include_usage and options.continuous_usage_stats
 
 
 def response_id(run: RequestRun) -> str:

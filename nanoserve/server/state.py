@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanoserve.server.tool_parsers import TOOL_PARSERS
+
 if TYPE_CHECKING:  # light to import: the command line reads ServerConfig's defaults
     from fastapi import Request
     from transformers import PreTrainedTokenizerBase
@@ -13,6 +15,7 @@ if TYPE_CHECKING:  # light to import: the command line reads ServerConfig's defa
     from nanoserve.server.completions import CompletionServing
     from nanoserve.server.engine_client import EngineClient
     from nanoserve.server.metrics import ServerMetrics
+    from nanoserve.server.responses import ResponsesServing
     from nanoserve.server.tokenizer_pool import TokenizerPool
 
 
@@ -31,10 +34,19 @@ class ServerConfig:
     header_timeout_s: float = 30.0  # a connection's request line and headers
     body_timeout_s: float = 60.0  # a request's whole body, once its headers are in
     send_timeout_s: float = 60.0  # a client that reads nothing while its send buffer is full
+    tool_call_parser: str | None = None  # reads tool calls for tool_choice "auto"
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("served_model_names must name at least one model")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be ≥ 1, got {self.max_waiting_requests}")
         if self.max_body_bytes < 1:
@@ -57,6 +69,7 @@ class ServerState:
     metrics: ServerMetrics
     completions: CompletionServing
     chat: ChatServing
+    responses: ResponsesServing
 
 
 def server_state(request: Request) -> ServerState:

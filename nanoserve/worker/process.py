@@ -30,6 +30,14 @@ from nanoserve.protocol import (
     WorkerFailed,
 )
 from nanoserve.worker.heartbeat import HeartbeatThread
+from nanoserve.worker.ranks import (
+    RankPlacement,
+    WorkerGroup,
+    local_ranks,
+    make_engine,
+    rendezvous_address,
+    run_follower,
+)
 from nanoserve.worker.transport import WorkerAddresses, WorkerSockets
 
 logger = logging.getLogger("nanoserve.worker")
@@ -83,7 +91,7 @@ def _handle(engine, message, send: Callable[[msgspec.Struct], None]) -> None:
         raise TypeError(f"unexpected message for the worker: {type(message).__name__}")
 
 
-def worker_environment() -> dict[str, str]:
+def worker_environment(num_local_ranks: int = 1) -> dict[str, str]:
     """The worker's environment: the front's, with one core left to the front on CPU.
 
     - Threads: unless OMP_NUM_THREADS says otherwise the worker computes on `cores - 1` threads
@@ -97,7 +105,8 @@ def worker_environment() -> dict[str, str]:
     What each choice measured is in benchmarks/RESULTS.md.
     """
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
+    threads = max(1, ((os.cpu_count() or 1) - 1) // num_local_ranks)  # ranks share the cores
+    env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     return env
 
@@ -106,16 +115,16 @@ def run_worker(
     config: EngineConfig,
     addresses: WorkerAddresses,
     parent_pid: int,
+    placement: RankPlacement | None = None,
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
 ) -> int:
-    """Body of the worker process; returns its exit code."""
-    from nanoserve.engine.engine import Engine  # heavy import, only in the worker
-
+    """Body of the worker process (rank 0 of its engine); returns its exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
     sockets = WorkerSockets(addresses)
     heartbeat = HeartbeatThread(sockets.context, addresses.to_front, heartbeat_interval_s)
+    engine = None
     try:
-        engine = Engine(config)
+        engine = make_engine(config, placement or RankPlacement())
         started = time.perf_counter()
         engine.warm_up()
         stats = engine.stats()
@@ -134,6 +143,9 @@ def run_worker(
         heartbeat.start()
         serve_engine(engine, sockets.recv, sockets.send, lambda: os.getppid() != parent_pid)
         return 0
+    except ValueError as e:  # a setting or checkpoint the engine refused: the front says why
+        sockets.send(WorkerFailed(message=str(e), traceback="", is_config_error=True))
+        return 1
     except Exception as e:
         logger.exception("worker failed")
         message = f"{type(e).__name__}: {e}"
@@ -141,6 +153,8 @@ def run_worker(
         return 1
     finally:
         heartbeat.stop()
+        if engine is not None:
+            engine.runner.stop_followers()
         sockets.close()
 
 
@@ -152,8 +166,10 @@ class WorkerProcess:
         config: EngineConfig,
         addresses: WorkerAddresses,
         log_level: str = "info",
+        placement: RankPlacement | None = None,
         heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
     ) -> None:
+        placement = placement or RankPlacement()
         command = [
             sys.executable,
             "-m",
@@ -170,8 +186,13 @@ class WorkerProcess:
             str(heartbeat_interval_s),
             "--config",
             msgspec.json.encode(config).decode(),
+            "--rank",
+            str(placement.rank),
+            "--dist-init",
+            placement.init_method or "",
         ]
-        self._popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=worker_environment())
+        env = worker_environment(num_local_ranks=len(local_ranks(config)))
+        self._popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
         self.pid = self._popen.pid
 
     def is_alive(self) -> bool:
@@ -196,6 +217,28 @@ class WorkerProcess:
         self._popen.wait()
 
 
+def start_worker_group(
+    config: EngineConfig,
+    addresses: WorkerAddresses,
+    log_level: str = "info",
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+) -> WorkerGroup:
+    """Start this machine's ranks of one engine (rank 0 among them talks to the front)."""
+    init_method = rendezvous_address(config)
+    return WorkerGroup(
+        [
+            WorkerProcess(
+                config,
+                addresses,
+                log_level,
+                RankPlacement(rank, init_method),
+                heartbeat_interval_s,
+            )
+            for rank in local_ranks(config)
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="nanoserve model worker (started by the front)")
     parser.add_argument("--to-worker", required=True)
@@ -204,13 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL_S)
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
+    parser.add_argument("--dist-init", default="", help="the group's rendezvous (tcp://...)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s worker: %(message)s"
     )
     config = msgspec.json.decode(args.config, type=EngineConfig)
+    placement = RankPlacement(args.rank, args.dist_init or None)
+    if args.rank != 0:
+        return run_follower(config, placement, args.parent_pid)
     addresses = WorkerAddresses(args.to_worker, args.to_front)
-    return run_worker(config, addresses, args.parent_pid, args.heartbeat_interval)
+    return run_worker(config, addresses, args.parent_pid, placement, args.heartbeat_interval)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +106,28 @@ def test_harness_rounds_end_to_end(tmp_path):
         rows = document["table"]["rows"]
         assert all(row["num_errors"] == 0 for row in rows)
         assert "same as nanoserve" in rows[1]["greedy_match"]
+
+
+def test_failing_arms_fail_fast_and_keep_their_logs(tmp_path):
+    """A url= arm that answers nothing fails within --url-timeout-s, said in advance; a server
+    that dies at start-up leaves its log where the message says it is."""
+    from servers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    dying = "cmd=dying=python -c 'print(\"boom on port {port}\"); raise SystemExit(3)'"
+    command = [
+        sys.executable, "-m", "nanoserve.cli", "bench", "--workload", "scoreboard",
+        "--arm", f"url=silent={url}", "--arm", dying, "--url-timeout-s", "3",
+        "--preset", "test", "--model-dir", str(tmp_path / "model"),
+        "--output-root", str(tmp_path / "results"), "--no-plots",
+    ]  # fmt: skip
+    started = time.monotonic()
+    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "[silent] waiting for it to answer, at most 3 s" in run.stderr
+    assert f"arm silent did not answer at {url}/health or /v1/models within 3 s" in run.stderr
+    assert "(--url-timeout-s)" in run.stderr
+    log_path = re.search(r"arm dying exited with code 3 .*last lines of (\S+):", run.stderr)
+    assert log_path, run.stderr[-3000:]
+    assert "boom on port" in Path(log_path.group(1)).read_text()
+    assert time.monotonic() - started < 120

@@ -162,3 +162,25 @@ def test_model_max_len_is_lowered_to_what_the_kv_cache_holds(checkpoint):
         Engine(
             EngineConfig(model=str(checkpoint), device="cpu", num_kv_blocks=10, max_model_len=512)
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("warm_up", [True, False])
+def test_compiled_warm_up_leaves_nothing_to_compile_for_the_first_requests(tmp_path, warm_up):
+    """After warm_up, decoding at batch sizes 1, 2 and 3, inside a context's first KV block and
+    past it, compiles nothing more (without warm_up the same requests do compile)."""
+    from torch._dynamo.utils import counters
+
+    model_dir = make_tiny_checkpoint(tmp_path, "qwen3")
+    engine = Engine(
+        EngineConfig(model=str(model_dir), device="cpu", dtype="float32", compile_decode=True)
+    )
+    torch._dynamo.reset()
+    if warm_up:
+        engine.warm_up()
+    num_graphs = counters["stats"]["unique_graphs"]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for batch in ([[5, 6]], [[7, 8], [9]], [[1] * 3, [2] * 20, [3] * 40]):
+        run_to_completion(engine, batch, params)
+    num_new_graphs = counters["stats"]["unique_graphs"] - num_graphs
+    assert (num_new_graphs == 0) == warm_up, num_new_graphs

@@ -1,4 +1,5 @@
-"""The engine on CUDA: same greedy tokens as transformers on the GPU, bf16 runs end to end."""
+"""The engine on CUDA (Triton attention, CUDA graphs): the same greedy tokens as transformers
+on the GPU for every architecture in fp32; bf16 and fp16 run end to end."""
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ def generate(engine, prompts, params):
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+@pytest.mark.parametrize("architecture", ["qwen3", "qwen2", "llama", "mistral"])
 def test_cuda_fp32_greedy_equals_transformers(tmp_path, architecture):
     checkpoint = make_tiny_checkpoint(tmp_path, architecture)
     prompts = [[1 + i] * (3 + 7 * i) for i in range(6)]
@@ -48,18 +49,20 @@ def test_cuda_fp32_greedy_equals_transformers(tmp_path, architecture):
             gpu_memory_utilization=0.3,
         )
     )
-    assert engine.runner.num_blocks > 0
+    assert engine.runner.num_blocks > 0 and engine.runner.attention_backend.name == "triton"
+    assert engine.runner.graph_runner is not None
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
     assert generate(engine, prompts, params) == expected
 
 
-def test_cuda_bf16_dummy_preset_runs(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_dummy_preset_runs_end_to_end(tmp_path, dtype):
     engine = Engine(
         EngineConfig(
             model="Qwen/Qwen3-0.6B",
             load_format="dummy",
             device="cuda",
-            dtype="bfloat16",
+            dtype=dtype,
             max_model_len=1024,
             gpu_memory_utilization=0.5,
         )

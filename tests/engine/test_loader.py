@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoserve.checkpoint import ModelLoadError, available_presets
 from nanoserve.config import EngineConfig
-from nanoserve.engine.loader import checkpoint_tensors, load_model
+from nanoserve.engine.loader import checkpoint_tensors, format_count, load_model
 from nanoserve.testing import make_tiny_checkpoint
 
 # Published parameter counts (embeddings included, a tied head counted once).
@@ -63,7 +63,11 @@ def test_sharded_checkpoint_loads_identically(checkpoints, tmp_path, caplog):
 
     with caplog.at_level(logging.INFO, logger="nanoserve.loader"):
         sharded_model = load(sharded).model
-    assert f"loading weights: shard {num_shards}/{num_shards}, 21/21 tensors" in caplog.text
+    # One progress line per shard, then one summary line.
+    progress = [r.getMessage() for r in caplog.records if "loading weights" in r.getMessage()]
+    assert len(progress) == num_shards
+    assert progress[-1].startswith(f"loading weights: shard {num_shards}/{num_shards} (")
+    assert "loaded 21 tensors" in caplog.text
     single = load(source).model.state_dict()
     for name, tensor in sharded_model.state_dict().items():
         assert torch.equal(tensor, single[name]), name
@@ -75,7 +79,7 @@ def test_weights_land_in_fused_projections(checkpoints):
     destinations = checkpoint_tensors(model)
     assert set(destinations) == set(weights)
     for name, tensor in weights.items():
-        assert torch.equal(destinations[name], tensor), name
+        assert torch.equal(destinations[name][0], tensor), name
     attention = model.model.layers[1].self_attn
     q, k, v = attention.qkv_proj.bias.split([64, 32, 32])
     assert torch.equal(k, weights["model.layers.1.self_attn.k_proj.bias"])
@@ -139,7 +143,7 @@ def test_preset_builds_with_published_shapes(model_id, tmp_path, monkeypatch):
     # The meta device checks every shape without allocating gigabytes.
     config = EngineConfig(model=model_id, load_format="dummy")
     model, model_config, model_dir = load_model(config, device="meta")
-    assert model_dir == tmp_path / "dummy" / model_id.replace("/", "--")
+    assert model_dir == tmp_path / "dummy-checkpoints" / model_id.replace("/", "--")
     assert (model_dir / "tokenizer.json").is_file()
     assert model_config.torch_dtype == "bfloat16"
     assert next(model.parameters()).dtype == torch.bfloat16  # `auto` keeps the checkpoint dtype
@@ -156,6 +160,21 @@ def test_preset_builds_with_published_shapes(model_id, tmp_path, monkeypatch):
         for name, t in reference.state_dict().items()
         if not (model_config.tie_word_embeddings and name == "lm_head.weight")
     }
-    ours = {name: tuple(t.shape) for name, t in checkpoint_tensors(model).items()}
+    ours = {name: tuple(t.shape) for name, (t, _) in checkpoint_tensors(model).items()}
     assert ours == expected
     assert num_params == reference.num_parameters()
+
+
+@pytest.mark.parametrize(
+    ("count", "text"),
+    [(4_197_120, "4.20M"), (1_720_574_976, "1.72B"), (596_049_920, "596.05M"), (12_345, "12.35K")],
+)
+def test_parameter_counts_read_as_people_write_them(count, text):
+    assert format_count(count) == text
+
+
+def test_the_demo_model_logs_its_parameter_count_and_one_shard_line(caplog):
+    with caplog.at_level(logging.INFO, logger="nanoserve.loader"):
+        load_model(EngineConfig(model="nanoserve-demo", device="cpu"))
+    assert "Qwen3ForCausalLM, 4.20M parameters" in caplog.text
+    assert caplog.text.count("loading weights: shard") == 1

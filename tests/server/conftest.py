@@ -21,6 +21,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_model(tiny_model: Path):
+    """transformers' copy of the tiny model: the oracle for logits and logprobs."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
 def cycle_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny checkpoint whose greedy output spells CYCLE_TEXT over and over."""
     return make_cycle_checkpoint(tmp_path_factory.mktemp("cycle"))

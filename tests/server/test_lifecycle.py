@@ -183,3 +183,26 @@ def test_sigterm_under_load_ends_every_stream_with_done(own_server: ServerProces
     wait_for(lambda: not Path(f"/proc/{worker}").exists(), 10, "the worker gone")
     log = own_server.log()
     assert "Traceback" not in log and "CancelledError" not in log, log
+
+
+def test_health_is_503_while_the_model_loads(tiny_model: Path, tmp_path: Path) -> None:
+    """The front answers as soon as it listens; the worker loads the model behind it."""
+    server = ServerProcess(tiny_model, tmp_path / "server.log")
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until the front answers at all
+            assert time.monotonic() < deadline and server.process.poll() is None, server.log()
+            try:
+                health = httpx.get(f"{server.url}/health", timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert health.status_code == 503, "the front answered only once the model was loaded"
+        assert "not ready" in health.json()["error"]["message"]
+        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, timeout=5)
+        assert refused.status_code == 503 and "retry-after" in refused.headers
+        server.wait_healthy()
+        done = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert done.status_code == 200
+    finally:
+        assert server.stop() == 0

@@ -12,6 +12,7 @@ class AttentionBackend:
     """Writes one step's keys and values into a layer's paged cache, then attends over it."""
 
     name = "abstract"
+    uses_eager_metadata = True  # whether it reads the eager backend's masks and gather indices
 
     def forward(
         self,

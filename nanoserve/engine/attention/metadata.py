@@ -7,6 +7,7 @@ first, and describes the layout once per step here; every layer and every backen
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +23,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block_id * block_size + offset) per token
     block_tables: torch.Tensor  # [B, max_blocks] int64: each request's blocks (padded with 0)
     seq_lens: torch.Tensor  # [B] int64: context length after this step (cached + new tokens)
+    query_start_loc: torch.Tensor  # [B + 1] int64: where each request's tokens start in the batch
     query_lens_list: list[int]  # [B]: tokens each request runs now
     seq_lens_list: list[int]  # [B]: the same as seq_lens, as Python ints
     is_decode_only: bool  # every request runs exactly one token
+    # The rest is what the eager backend reads (built only for it).
     # Decode groups: [B, 1, 1, K] bool, True where a key is inside the request's context, and
     # [B, K] int64, the KV slot of each key position (block_id * block_size + offset).
     decode_mask: torch.Tensor | None = None
@@ -44,13 +47,19 @@ def build_attention_metadata(
     slot_mapping: list[int],
     block_size: int,
     device: torch.device,
+    eager_fields: bool = True,
 ) -> AttentionMetadata:
     """Build the per-step layout once on the CPU side; every layer reads it.
 
-    When one-token (decode) requests come first and prompt chunks follow, the step also gets
-    two parts that attend separately (see `AttentionMetadata.parts`).
+    With `eager_fields` (the eager backend) it also holds the masks and gather indices that
+    backend attends with, and, when one-token (decode) requests come first and prompt chunks
+    follow, two parts that attend separately (see `AttentionMetadata.parts`).
     """
-    meta = _build_group(query_lens, seq_lens, block_tables, slot_mapping, block_size, device)
+    meta = _build_group(
+        query_lens, seq_lens, block_tables, slot_mapping, block_size, device, eager_fields
+    )
+    if not eager_fields:
+        return meta
     num_decodes = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
     if 0 < num_decodes < len(query_lens) and all(n > 1 for n in query_lens[num_decodes:]):
         # Decode requests run one token each, so one slice cuts every per-request and
@@ -72,6 +81,7 @@ def _build_group(
     slot_mapping: list[int],
     block_size: int,
     device: torch.device,
+    eager_fields: bool = True,
 ) -> AttentionMetadata:
     num_requests = len(query_lens)
     max_blocks = max(len(t) for t in block_tables)
@@ -84,12 +94,12 @@ def _build_group(
     decode_mask: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     prompt_masks: list[torch.Tensor | None] | None = None
-    if is_decode_only:
+    if eager_fields and is_decode_only:
         key_positions = torch.arange(max_blocks * block_size)  # [K]
         decode_mask = (key_positions[None, :] < seq_lens_t[:, None])[:, None, None].to(device)
         offsets = torch.arange(block_size)
         decode_slots = (table[:, :, None] * block_size + offsets).view(num_requests, -1).to(device)
-    else:
+    elif eager_fields:
         # A query at position p (within its sequence) sees keys at positions <= p.
         prompt_masks = []
         for num_queries, num_keys in zip(query_lens, seq_lens, strict=True):
@@ -104,6 +114,7 @@ def _build_group(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
         block_tables=table.to(device),
         seq_lens=seq_lens_t.to(device),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)]).to(device),
         query_lens_list=list(query_lens),
         seq_lens_list=list(seq_lens),
         is_decode_only=is_decode_only,

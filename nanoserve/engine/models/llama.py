@@ -7,12 +7,16 @@ Switches (from ModelConfig): `attention_bias` (Qwen2: bias on q/k/v), `qk_norm` 
 on every head of q and k before RoPE), `rope_scaling` (Llama 3: "llama3" frequencies),
 `tie_word_embeddings` (lm_head shares the embedding matrix).
 
+Tensor parallelism (`tp`, a group of N processes) splits the heads, the MLP's intermediate size
+and the vocabulary N ways; each rank holds its share of every weight (see layers/linear.py).
+With N = 1 every layer is the plain one.
+
 The model works on one flat batch of tokens from any number of requests: `forward` takes token
 ids and positions of shape [T] plus the step's AttentionMetadata, and knows nothing of requests
 (the runner may name the rows it samples from, `output_rows`, so that the last layer finishes
 only those). Parameters carry checkpoint names (`model.layers.0.self_attn.o_proj.weight`),
 except that q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj` (one matmul each);
-the loader copies `q_proj`, `k_proj`, ... into their rows (see MergedLinear).
+the loader copies `q_proj`, `k_proj`, ... into their rows (see MergedColumnLinear).
 """
 
 from __future__ import annotations
@@ -26,28 +30,53 @@ from torch import nn
 from nanoserve.config import ModelConfig
 from nanoserve.engine.attention.layer import PagedAttention
 from nanoserve.engine.attention.metadata import AttentionMetadata
-from nanoserve.engine.layers.linear import Linear, MergedLinear
+from nanoserve.engine.distributed.parallel import TensorParallel
+from nanoserve.engine.layers.linear import (
+    MergedColumnLinear,
+    OutputPart,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from nanoserve.engine.layers.norm import RMSNorm, rms_normalize
 from nanoserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+def local_kv_heads(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
+    """(KV heads this rank holds, the first of them): N ranks split the KV heads, or, when
+    there are fewer KV heads than ranks, share them (each KV head is replicated on N / Hkv
+    ranks, as vLLM does)."""
+    if num_kv_heads >= tp.size:
+        local = tp.split(num_kv_heads, "num_key_value_heads")
+        return local, tp.rank * local
+    if tp.size % num_kv_heads:
+        raise ValueError(f"the tensor-parallel size ({tp.size}) must be a multiple of "
+                         f"num_key_value_heads ({num_kv_heads}) when it exceeds it")  # fmt: skip
+    return 1, tp.rank * num_kv_heads // tp.size
 
 
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")  # this rank's
+        self.num_kv_heads, first_kv_head = local_kv_heads(config.num_key_value_heads, tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
+        q_start, kv_start = tp.rank * self.q_size, first_kv_head * self.head_dim
+        self.qkv_proj = MergedColumnLinear(
             config.hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
-            ["q_proj", "k_proj", "v_proj"],
+            [
+                OutputPart("q_proj", self.q_size, q_start),
+                OutputPart("k_proj", self.kv_size, kv_start),
+                OutputPart("v_proj", self.kv_size, kv_start),
+            ],
             bias=config.attention_bias,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, tp)  # fmt: skip
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -88,28 +117,27 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(
-            config.hidden_size, [size, size], ["gate_proj", "up_proj"], bias=False
-        )
-        self.down_proj = Linear(size, config.hidden_size, bias=False)
+        size = tp.split(config.intermediate_size, "intermediate_size")  # this rank's share
+        parts = [OutputPart(name, size, tp.rank * size) for name in ("gate_proj", "up_proj")]
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, parts, bias=False)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate / N] each
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm transformer block: attention then MLP, each added to the residual stream."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -128,9 +156,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm (no LM head)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         # One RoPE table shared by all layers; cos/sin are looked up once per step.
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
@@ -139,7 +167,7 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -168,11 +196,13 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM: hidden states for a flat token batch, logits on request."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -185,8 +215,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T or S, hidden]
         return self.model(input_ids, positions, attn_meta, output_rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]
+        """float32 logits; with tensor parallelism only rank 0 gets them (the others: empty)."""
+        logits = self.lm_head.logits(hidden)
+        return logits if logits is not None else hidden.new_empty(0, dtype=torch.float32)
 
     def attention_layers(self) -> list[PagedAttention]:
         """The PagedAttention module of every layer, in order, for binding KV caches."""

@@ -1,0 +1,48 @@
+"""Which attention backend an engine uses: chosen once, by the model runner, for every layer."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from nanoserve.engine.attention.cpu import CompiledCpuAttention
+from nanoserve.engine.attention.eager import EagerAttention
+from nanoserve.engine.attention.layer import AttentionBackend
+
+logger = logging.getLogger("nanoserve.attention")
+
+TRITON_MIN_BLOCK_SIZE = 16  # tl.dot multiplies tiles of at least 16 along every dimension
+
+
+def select_attention_backend(
+    device: torch.device,
+    block_size: int,
+    num_kv_heads: int,
+    compile_decode: bool = False,
+    enforce_eager: bool = False,
+) -> AttentionBackend:
+    """Triton on CUDA, the compiled CPU path with `compile_decode`, else the eager reference.
+
+    `enforce_eager` (no CUDA graphs, no torch.compile) keeps the Triton kernels, as vLLM keeps
+    its attention backend: it changes how kernels are launched, not which.
+    """
+    if device.type == "cuda":
+        if _triton_usable(block_size):
+            from nanoserve.engine.attention.triton import TritonAttention  # imports triton
+
+            return TritonAttention(num_kv_heads)
+        logger.warning(
+            "CUDA without the Triton backend (triton not installed, or block_size %d < %d): "
+            "attention runs the eager torch path",
+            block_size,
+            TRITON_MIN_BLOCK_SIZE,
+        )
+    if compile_decode and device.type == "cpu" and not enforce_eager:
+        return CompiledCpuAttention()
+    return EagerAttention()
+
+
+def _triton_usable(block_size: int) -> bool:
+    return block_size >= TRITON_MIN_BLOCK_SIZE and importlib.util.find_spec("triton") is not None

@@ -1,0 +1,50 @@
+"""The routes around generation: one model by its id, and requests that name no model."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from servers import ServerProcess
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-alias"])
+def test_a_served_model_by_its_id(server: ServerProcess, name: str) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.retrieve(name)
+    assert (model.id, model.object, model.owned_by) == (name, "model", "nanoserve")
+    assert model.model_extra["max_model_len"] == 1024
+    listed = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    by_id = httpx.get(f"{server.url}/v1/models/{name}", timeout=10).json()
+    card = next(card for card in listed if card["id"] == name)
+    assert {**by_id, "created": 0} == {**card, "created": 0}  # created: the time of the request
+
+
+@pytest.mark.parametrize("model_id", ["gpt-4o", "Qwen/Qwen3-1.7B", "tiny/extra"])
+def test_an_unknown_model_id_is_a_404_in_openai_shape(server: ServerProcess, model_id) -> None:
+    response = httpx.get(f"{server.url}/v1/models/{model_id}", timeout=10)
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": f"The model `{model_id}` does not exist.",
+            "type": "not_found_error",
+            "param": "model",
+            "code": 404,
+        }
+    }
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("model", ["", None], ids=["empty", "missing"])
+def test_a_request_without_a_model_name_is_served_by_the_default(
+    server: ServerProcess, path: str, model: str | None
+) -> None:
+    body: dict = {"max_tokens": 2}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {})
+    body.update({"prompt": "hi"} if "chat" not in path else {})
+    if model is not None:
+        body["model"] = model
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    if path != "/tokenize":
+        assert response.json()["model"] == "tiny"
