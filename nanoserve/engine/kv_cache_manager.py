@@ -17,13 +17,11 @@ evicted least-recently-freed first, and only when a new block is needed.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from nanoserve.engine.request import Request
-
-BlockHash = bytes
+from nanoserve.prefix_hash import BlockHash, hash_block_tokens
 
 
 @dataclass
@@ -33,12 +31,6 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
-
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: list[int]) -> BlockHash:
-    """Chained hash of one full block: equal hashes mean equal whole prefixes."""
-    data = (parent_hash or b"") + b"".join(t.to_bytes(4, "little") for t in token_ids)
-    return hashlib.sha256(data).digest()
 
 
 class BlockPool:

@@ -2,8 +2,9 @@
 
 import pytest
 
-from nanoserve.engine.kv_cache_manager import BlockPool, KVCacheManager, hash_block_tokens
+from nanoserve.engine.kv_cache_manager import BlockPool, KVCacheManager
 from nanoserve.engine.request import Request
+from nanoserve.prefix_hash import hash_block_tokens
 from nanoserve.sampling_params import SamplingParams
 
 
