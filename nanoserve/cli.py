@@ -193,6 +193,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        data_parallel_size=args.data_parallel_size,
         revision=args.revision,
         download_dir=args.download_dir,
     )
@@ -304,11 +305,11 @@ def _run_server(
     import uvicorn
 
     from nanoserve.server.app import create_app
-    from nanoserve.server.engine_client import ZmqEngineClient
+    from nanoserve.server.data_parallel import make_engine_client
     from nanoserve.server.http_server import SHUTDOWN_FLUSH_S, GracefulServer, timed_h11_protocol
 
-    client = ZmqEngineClient(
-        engine_config, log_level=args.log_level, worker_timeout_s=args.worker_timeout
+    client = make_engine_client(
+        engine_config, args.log_level, args.worker_timeout, args.data_parallel_routing
     )
     grace_s = args.shutdown_timeout
     app = create_app(server_config, client, tokenizer, shutdown_timeout_s=grace_s)

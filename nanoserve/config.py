@@ -125,6 +125,8 @@ class EngineConfig:
     node_rank: int = 0  # this machine's index among them
     master_addr: str = "127.0.0.1"  # where rank 0 (node 0) meets the others
     master_port: int | None = None  # None: a free port on this machine (one node)
+    data_parallel_size: int = 1  # independent engines behind one front (one machine)
+    data_parallel_rank: int = 0  # which of them this engine is (set by the front)
     compile_decode: bool = False  # torch.compile the decode step (slow start-up, faster tokens)
     enforce_eager: bool = False  # the plain path, whatever else is asked for
 
@@ -154,8 +156,17 @@ class EngineConfig:
             self.scheduler_config(self.max_model_len)  # validates the scheduler limits
 
     def _check_parallelism(self) -> None:
-        for name in ("tensor_parallel_size", "nnodes"):
+        for name in ("tensor_parallel_size", "nnodes", "data_parallel_size"):
             _require(getattr(self, name) >= 1, f"{name} must be ≥ 1, got {getattr(self, name)}")
+        _require(
+            0 <= self.data_parallel_rank < self.data_parallel_size,
+            f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+            f"got {self.data_parallel_rank}",
+        )
+        _require(
+            self.data_parallel_size == 1 or self.nnodes == 1,
+            "data_parallel_size > 1 runs its engines on one machine; nnodes must be 1",
+        )
         _require(
             self.tensor_parallel_size % self.nnodes == 0,
             f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes "

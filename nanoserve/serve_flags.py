@@ -12,6 +12,7 @@ from typing import Any
 
 from nanoserve.config import QUANTIZATIONS, EngineConfig
 from nanoserve.protocol import DEFAULT_WORKER_TIMEOUT_S
+from nanoserve.server.prefix_router import ROUTINGS
 from nanoserve.server.state import ServerConfig
 
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -144,6 +145,18 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
         default=config_default(EngineConfig, "tensor_parallel_size"),
         help="split the model across this many worker processes (one per GPU on CUDA; gloo "
         "on CPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-parallel-size", "-dp", type=int,
+        default=config_default(EngineConfig, "data_parallel_size"),
+        help="run this many independent engines (each with its own copy of the model and KV "
+        "cache, each tensor parallel if asked) behind one front, on this machine",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-parallel-routing", choices=ROUTINGS, default="prefix",
+        help="how a request's engine is chosen: prefix (the engine that saw the prompt's "
+        "longest prefix, unless it is much busier; else the least loaded), least-loaded, or "
+        "round-robin",
     )  # fmt: skip
     parser.add_argument(
         "--nnodes", type=int, default=config_default(EngineConfig, "nnodes"),

@@ -109,13 +109,24 @@ class ServerProcess:
 
 
 def read_metrics(url: str) -> dict[str, float]:
-    """Every sample on /metrics as {"name{label=value,...}": value} (model_name dropped)."""
+    """Every sample on /metrics as {"name{label=value,...}": value} (model_name dropped).
+
+    A sample labelled with its data-parallel `engine` is also summed over the engines under
+    its name without that label: "vllm:num_requests_running" is the total.
+    """
     text = httpx.get(f"{url}/metrics", timeout=5).text
-    samples = {}
+    samples: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(
-                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name"
-            )
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            samples[metric_key(sample.name, labels)] = sample.value
+            if "engine" in labels:
+                del labels["engine"]
+                total = metric_key(sample.name, labels)
+                samples[total] = samples.get(total, 0.0) + sample.value
     return samples
+
+
+def metric_key(name: str, labels: dict[str, str]) -> str:
+    text = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return f"{name}{{{text}}}" if text else name

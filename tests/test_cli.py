@@ -28,7 +28,8 @@ def test_serve_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None
         "--enforce-eager", "--tool-call-parser", "--enable-auto-tool-choice",
         "--trust-request-chat-template", "--max-body-bytes",
         "--max-prompt-chars", "--header-timeout", "--body-timeout", "--send-timeout",
-        "--worker-timeout", "--shutdown-timeout",
+        "--worker-timeout", "--shutdown-timeout", "--data-parallel-size", "-dp",
+        "--data-parallel-routing",
     ):  # fmt: skip
         assert flag in text
 
@@ -78,6 +79,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--max-prompt-chars", "0"], "--max-prompt-chars must be ≥ 1, got 0"),
         (["--max-waiting-requests", "0"], "--max-waiting-requests must be ≥ 1, got 0"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["-dp", "0"], "--data-parallel-size must be ≥ 1, got 0"),
         (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1MiB would hold it"),
         (["--kv-cache-memory", "256KiB", "--max-model-len", "512"], "needs 32 blocks"),
     ],

@@ -37,7 +37,7 @@ def create_app(
 
     `shutdown_timeout_s` is how long the worker gets to exit once the server stops.
     """
-    metrics = ServerMetrics(config.served_model_names[0])
+    metrics = ServerMetrics(config.served_model_names[0], client.num_engines)
     pool = TokenizerPool(tokenizer)
     chat_serving = chat.ChatServing(client, pool, metrics, config)
     state = ServerState(

@@ -58,10 +58,13 @@ class RequestRejectedError(ValueError):
 class EngineClient:
     """Routes engine outputs to request streams. Subclasses move the messages."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_index: int = 0) -> None:
+        self.engine_index = engine_index  # which data-parallel engine (0 without data parallel)
         self.info: Ready | None = None  # set once the engine is ready; kept while restarting
         self.stats = EngineStats()
-        self.on_stats: Callable[[EngineStats], None] | None = None
+        # Called with each step's stats and this engine's index (the metrics' `engine` label).
+        self.on_stats: Callable[[EngineStats, int], None] | None = None
+        self.on_ready: Callable[[Ready], None] | None = None  # each time a worker is ready
         self._is_ready = False
         self._is_accepting = True  # False once the server is shutting down
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream
@@ -80,6 +83,16 @@ class EngineClient:
     @property
     def num_unstarted(self) -> int:
         return len(self._unstarted_ids)
+
+    @property
+    def num_engines(self) -> int:
+        """Engines behind this client (each reports its own stats)."""
+        return 1
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests added and not yet finished or aborted (the router's load)."""
+        return len(self._streams)
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -149,7 +162,7 @@ class EngineClient:
                 stream.put(delta)
             self.stats = message.stats
             if self.on_stats is not None:
-                self.on_stats(message.stats)
+                self.on_stats(message.stats, self.engine_index)
         elif isinstance(message, RequestFailed):
             stream = self._streams.get(message.request_id)
             if stream is not None:
@@ -176,7 +189,7 @@ class ZmqEngineClient(EngineClient):
         restart_delay_s: float = 1.0,
         worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
     ) -> None:
-        super().__init__()
+        super().__init__(config.data_parallel_rank)
         if not worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be > 0 seconds, got {worker_timeout_s}")
         self.config = config
@@ -243,6 +256,8 @@ class ZmqEngineClient(EngineClient):
                 break
         self.info = message
         self._is_ready = True
+        if self.on_ready is not None:
+            self.on_ready(message)
         elapsed = time.perf_counter() - start
         logger.info(
             "worker %d ready in %.1f s (weights %.2f s, KV sizing %.2f s, warm-up %.2f s, "
@@ -272,7 +287,7 @@ class ZmqEngineClient(EngineClient):
             self._stop_worker_now()
             self.stats = EngineStats()
             if self.on_stats is not None:
-                self.on_stats(self.stats)
+                self.on_stats(self.stats, self.engine_index)
             while not self._is_closing:
                 try:
                     await self._start_worker()

@@ -11,6 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from nanoserve.protocol import EngineStats
 
+# Metrics the worker's EngineStats feed: one series per data-parallel engine, as vLLM labels them.
+ENGINE_LABELS = ["model_name", "engine"]
+
 # Fine steps between 50 and 300 ms, where autocomplete users feel the difference.
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2,
@@ -28,14 +31,17 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServerMetrics:
-    """All metrics of one server, labelled with its model name."""
+    """All metrics of one server, labelled with its model name; those the engines report also
+    with the engine's index (`engine="0"`, `"1"`, ... with --data-parallel-size)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
         self._add_engine_metrics()
         self._add_request_metrics()
-        self._last_stats = EngineStats()
+        self._last_stats = [EngineStats() for _ in range(num_engines)]
+        for engine in range(num_engines):  # every engine's series exists from the start
+            self.update_engine_stats(EngineStats(), engine)
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self._model_name)
@@ -48,21 +54,28 @@ class ServerMetrics:
         return metric.labels(self._model_name)
 
     def _add_engine_metrics(self) -> None:
-        """Gauges and counters that mirror the worker's `EngineStats`."""
-        self.num_requests_running = self._gauge(
+        """Gauges and counters that mirror each engine's `EngineStats`."""
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ENGINE_LABELS, registry=self.registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ENGINE_LABELS, registry=self.registry)
+
+        self.num_requests_running = gauge(
             "vllm:num_requests_running", "Requests in the running batch."
         )
-        self.num_requests_waiting = self._gauge(
+        self.num_requests_waiting = gauge(
             "vllm:num_requests_waiting", "Requests waiting to be scheduled."
         )
-        self.kv_cache_usage_perc = self._gauge(
+        self.kv_cache_usage_perc = gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)."
         )
-        self.num_preemptions = self._counter("vllm:num_preemptions", "Preempted requests.")
-        self.prefix_cache_queries = self._counter(
+        self.num_preemptions = counter("vllm:num_preemptions", "Preempted requests.")
+        self.prefix_cache_queries = counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
-        self.prefix_cache_hits = self._counter(
+        self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
 
@@ -97,20 +110,21 @@ class ServerMetrics:
             REQUEST_BUCKETS,
         )  # fmt: skip
 
-    def update_engine_stats(self, stats: EngineStats) -> None:
-        """Set the gauges; advance the counters the engine keeps as running totals."""
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        last = self._last_stats
+    def update_engine_stats(self, stats: EngineStats, engine: int = 0) -> None:
+        """Set engine `engine`'s gauges; advance the counters it keeps as running totals."""
+        labels = (self._model_name, str(engine))
+        self.num_requests_running.labels(*labels).set(stats.num_running)
+        self.num_requests_waiting.labels(*labels).set(stats.num_waiting)
+        self.kv_cache_usage_perc.labels(*labels).set(stats.kv_cache_usage)
+        last = self._last_stats[engine]
         for counter, new, old in (
             (self.num_preemptions, stats.num_preemptions_total, last.num_preemptions_total),
             (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
         ):
             # A restarted worker counts from zero again: then all of `new` is new.
-            counter.inc(new - old if new >= old else new)
-        self._last_stats = stats
+            counter.labels(*labels).inc(new - old if new >= old else new)
+        self._last_stats[engine] = stats
 
     def observe_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()

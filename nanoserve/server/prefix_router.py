@@ -5,7 +5,8 @@ that prefill. The router remembers, for the first full blocks of every prompt it
 engine got it (a bounded LRU table of prefix names, `prefix_hash.py`). A new prompt goes to the
 engine that holds its longest remembered prefix, unless that engine is not ready or has
 `max_imbalance` more requests in flight than the least loaded one; otherwise it goes to the
-least loaded ready engine.
+least loaded ready engine (taking turns among equally loaded ones, so that new prefixes spread
+over the engines even when requests come one at a time).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections import OrderedDict
 
 from nanoserve.prefix_hash import BlockHash, prefix_hashes
 
+# How a request's engine is chosen: by cached prefix (the default), by load alone, or in turn
+# (a baseline for benchmarks and tests).
+ROUTINGS = ("prefix", "least-loaded", "round-robin")
 MAX_BLOCKS_PER_PROMPT = 64  # the first 64 blocks (1,024 tokens at 16) name a prefix enough
 MAX_ENTRIES = 200_000  # ~12 MB of names and engine ids
 
@@ -33,21 +37,24 @@ class PrefixRouter:
         self.max_imbalance = max_imbalance
         self.max_entries = max_entries
         self._owners: OrderedDict[BlockHash, int] = OrderedDict()  # prefix name -> engine
+        self._turn = 0  # breaks ties between equally loaded engines
 
     def choose(self, prompt_token_ids: list[int], loads: list[int], ready: list[bool]) -> int:
         """The engine for this prompt, given each engine's requests in flight and readiness."""
         candidates = [i for i in range(self.num_engines) if ready[i]]
         if not candidates:
             raise RuntimeError("no engine is ready")
-        least_loaded = min(candidates, key=lambda i: (loads[i], i))
+        least_load = min(loads[i] for i in candidates)
         hashes = prefix_hashes(prompt_token_ids, self.block_size, MAX_BLOCKS_PER_PROMPT)
         for block_hash in reversed(hashes):  # the longest remembered prefix first
             owner = self._owners.get(block_hash)
             if owner is not None and ready[owner]:
-                if loads[owner] - loads[least_loaded] <= self.max_imbalance:
+                if loads[owner] - least_load <= self.max_imbalance:
                     return owner
                 break
-        return least_loaded
+        least_loaded = [i for i in candidates if loads[i] == least_load]
+        self._turn += 1
+        return least_loaded[self._turn % len(least_loaded)]
 
     def record(self, prompt_token_ids: list[int], engine: int) -> None:
         """Remember that `engine` now holds this prompt's prefixes."""

@@ -191,7 +191,9 @@ class WorkerProcess:
             "--dist-init",
             placement.init_method or "",
         ]
-        env = worker_environment(num_local_ranks=len(local_ranks(config)))
+        # Every rank of every data-parallel engine on this machine shares its cores.
+        num_processes = len(local_ranks(config)) * config.data_parallel_size
+        env = worker_environment(num_local_ranks=num_processes)
         self._popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
         self.pid = self._popen.pid
 

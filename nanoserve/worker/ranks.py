@@ -38,8 +38,8 @@ def rendezvous_address(config: EngineConfig) -> str | None:
     """The group's rendezvous: the master's address and port, or a free port on this machine."""
     if config.tensor_parallel_size == 1:
         return None
-    if config.master_port is not None:
-        return f"tcp://{config.master_addr}:{config.master_port}"
+    if config.master_port is not None:  # data-parallel engine k meets on the k-th port after
+        return f"tcp://{config.master_addr}:{config.master_port + config.data_parallel_rank}"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
@@ -54,9 +54,14 @@ def make_engine(config: EngineConfig, placement: RankPlacement):
     from nanoserve.engine.loader import resolve_device
 
     device = resolve_device(config.device)
-    if device.type == "cuda" and config.tensor_parallel_size > 1:
+    if (
+        device.type == "cuda"
+        and device.index is None
+        and (config.tensor_parallel_size > 1 or config.data_parallel_size > 1)
+    ):
+        # One GPU per local rank; data-parallel engine k takes the k-th block of them.
         per_node = config.tensor_parallel_size // config.nnodes
-        torch.cuda.set_device(placement.rank % per_node)  # one GPU per local rank
+        torch.cuda.set_device(config.data_parallel_rank * per_node + placement.rank % per_node)
     tp = init_tensor_parallel(
         placement.rank, config.tensor_parallel_size, placement.init_method or "", device
     )

@@ -15,7 +15,9 @@ def prompt(prefix: int, tail: int, num_blocks: int = 3) -> list[int]:
 def test_a_new_prompt_goes_to_the_least_loaded_engine():
     router = PrefixRouter(2, BLOCK)
     assert router.choose(prompt(1, 7), loads=[3, 1], ready=READY) == 1
-    assert router.choose(prompt(1, 7), loads=[0, 0], ready=READY) == 0  # ties: the first
+    # Equally loaded engines take turns.
+    turns = [router.choose(prompt(p, 7), loads=[0, 0], ready=READY) for p in range(4)]
+    assert sorted(turns) == [0, 0, 1, 1] and turns[0] != turns[1]
 
 
 def test_prompts_sharing_a_prefix_follow_the_engine_that_computed_it():
@@ -47,7 +49,8 @@ def test_a_restarted_engine_holds_nothing_and_the_table_is_bounded():
     router = PrefixRouter(2, BLOCK, max_entries=5)
     router.record(prompt(1, 7), engine=1)
     router.forget_engine(1)
-    assert router.choose(prompt(1, 8), loads=[0, 0], ready=READY) == 0
+    assert router.choose(prompt(1, 8), loads=[1, 0], ready=READY) == 1  # by load, not owner
+    assert router.choose(prompt(1, 8), loads=[0, 1], ready=READY) == 0
     for prefix in range(10):
         router.record(prompt(prefix, 0), engine=prefix % 2)
     assert len(router._owners) == 5

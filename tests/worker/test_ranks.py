@@ -116,3 +116,17 @@ def test_ranks_are_split_node_by_node():
         EngineConfig(model="m", tensor_parallel_size=3, nnodes=2, master_port=5)
     with pytest.raises(ValueError, match="needs master_port"):
         EngineConfig(model="m", tensor_parallel_size=2, nnodes=2)
+
+
+def test_data_parallel_engines_meet_on_ports_of_their_own_and_stay_on_one_machine():
+    config = EngineConfig(
+        model="m", tensor_parallel_size=2, data_parallel_size=2, data_parallel_rank=1,
+        master_port=7000,
+    )  # fmt: skip
+    assert rendezvous_address(config) == "tcp://127.0.0.1:7001"
+    with pytest.raises(ValueError, match="data_parallel_rank must be in"):
+        EngineConfig(model="m", data_parallel_size=2, data_parallel_rank=2)
+    with pytest.raises(ValueError, match="nnodes must be 1"):
+        EngineConfig(
+            model="m", tensor_parallel_size=2, nnodes=2, master_port=5, data_parallel_size=2
+        )
