@@ -86,7 +86,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=["hermes", "llama3_json", "mistral"],
         help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 and Hermes <tool_call>; "
-        "llama3_json: Llama 3.x JSON; mistral: [TOOL_CALLS]), for tool_choice auto",
+        "llama3_json: Llama 3.x JSON; mistral: [TOOL_CALLS]), for tool_choice auto (default: none)",
     )
     parser.add_argument(
         "--enable-auto-tool-choice",

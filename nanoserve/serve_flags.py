@@ -123,7 +123,8 @@ def add_speed_flags(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         help="int8: weight-only int8 linears (per output channel; activations stay in the model "
-        "dtype). FP8 checkpoints (quantization_config in config.json) need no flag",
+        "dtype). FP8 checkpoints (quantization_config in config.json) need no flag (default: "
+        "none, the model dtype)",
     )
     parser.add_argument(
         "--no-quantize-lm-head",

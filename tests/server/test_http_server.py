@@ -18,9 +18,11 @@ from nanoserve.server.http_server import timed_h11_protocol
 
 DISCONNECTED = "vllm:http_requests_client_disconnected_total"
 GENERATED = "vllm:generation_tokens_total"
-# Big frames (20 logprobs per token), more than the kernel's socket buffers (4 MiB) hold.
-HEAVY = {"prompt": "x", "n": 8, "logprobs": 20, "max_tokens": 900, "ignore_eos": True,
-         "stream": True}  # fmt: skip
+# Big frames (20 logprobs per token), more than the kernel's socket buffers (4 MiB) hold, and
+# 32 choices: the buffers fill within tens of steps, long before the 900th.
+NUM_CHOICES, MAX_TOKENS = 32, 900
+HEAVY = {"prompt": "x", "n": NUM_CHOICES, "logprobs": 20, "max_tokens": MAX_TOKENS,
+         "ignore_eos": True, "stream": True}  # fmt: skip
 
 
 def connect(port: int, receive_buffer: int | None = None) -> socket.socket:
@@ -88,14 +90,14 @@ def test_a_client_that_reads_nothing_is_disconnected(strict_server: ServerProces
         assert time.monotonic() < deadline, f"its requests were not aborted: {metrics}"
         metrics = read_metrics(url)
     sock.close()
-    # Aborted, not finished: the engine stopped well before 8 x 900 tokens.
-    assert metrics[GENERATED] - before[GENERATED] < 8 * 900
+    # Aborted, not finished: the engine stopped before every choice had its 900 tokens.
+    assert metrics[GENERATED] - before[GENERATED] < NUM_CHOICES * MAX_TOKENS
     assert "--send-timeout" in strict_server.log()
 
 
 def test_a_client_that_reads_gets_everything(strict_server: ServerProcess) -> None:
     before = read_metrics(strict_server.url)[DISCONNECTED]
-    sock = send_request(strict_server.port, HEAVY, receive_buffer=65536)
+    sock = send_request(strict_server.port, {**HEAVY, "n": 8}, receive_buffer=65536)
     received = b""
     while not received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
         chunk = sock.recv(65536)

@@ -56,11 +56,13 @@ def big_prompt_server(
 
 
 async def token_times(client: httpx.AsyncClient, url: str, times: list[float]) -> None:
+    """Stream tokens until cancelled (one 1,000-token stream after another)."""
     body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                times.append(time.monotonic())
+    while True:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())
 
 
 def gaps(times: list[float], start: float, end: float) -> list[float]:
