@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.cli import DEMO_MODEL_DIR
+from nanoserve.checkpoint import DEMO_MODEL_DIR
 from nanoserve.config import EngineConfig
 from nanoserve.engine.attention.metadata import build_attention_metadata
 from nanoserve.engine.engine import Engine
