@@ -39,6 +39,13 @@ logger = logging.getLogger("nanoserve.server")
 POLL_S = 0.1  # how often the front checks that a silent worker is still alive
 
 
+class _PrefixedLog(logging.LoggerAdapter):
+    """A logger whose messages start with `extra["prefix"]`."""
+
+    def process(self, msg, kwargs):
+        return f"{self.extra['prefix']}{msg}", kwargs  # type: ignore[index]
+
+
 class EngineDeadError(RuntimeError):
     """The worker died or is not ready: the request cannot be (or finish being) served."""
 
@@ -196,6 +203,9 @@ class ZmqEngineClient(EngineClient):
         self.log_level = log_level
         self.restart_delay_s = restart_delay_s
         self.worker_timeout_s = worker_timeout_s
+        # With data parallelism each line says which engine it is about.
+        prefix = f"engine {config.data_parallel_rank}: " if config.data_parallel_size > 1 else ""
+        self.log = _PrefixedLog(logger, {"prefix": prefix})
         # Several beats per timeout, so that one late beat is no alarm.
         self.heartbeat_interval_s = min(1.0, worker_timeout_s / 4)
         self._ipc = IpcDirectory()
@@ -216,7 +226,7 @@ class ZmqEngineClient(EngineClient):
         )
 
     async def _start_then_supervise(self) -> None:
-        logger.info("starting the model worker; /health answers 503 until the model is ready")
+        self.log.info("starting the model worker; /health answers 503 until the model is ready")
         try:
             await self._start_worker()
         except Exception as error:
@@ -259,7 +269,7 @@ class ZmqEngineClient(EngineClient):
         if self.on_ready is not None:
             self.on_ready(message)
         elapsed = time.perf_counter() - start
-        logger.info(
+        self.log.info(
             "worker %d ready in %.1f s (weights %.2f s, KV sizing %.2f s, warm-up %.2f s, "
             "process start and imports %.2f s); KV cache: %d blocks x %d tokens = %d tokens; "
             "max_model_len %d",
@@ -282,7 +292,9 @@ class ZmqEngineClient(EngineClient):
             if self._is_closing:
                 return
             self._is_ready = False
-            logger.error("model worker failed (%s); failing in-flight requests, restarting", reason)
+            self.log.error(
+                "model worker failed (%s); failing in-flight requests, restarting", reason
+            )
             self._fail_all(EngineDeadError(f"the model worker failed ({reason})"))
             self._stop_worker_now()
             self.stats = EngineStats()
@@ -293,7 +305,7 @@ class ZmqEngineClient(EngineClient):
                     await self._start_worker()
                     break
                 except EngineStartError as e:
-                    logger.error("%s; retrying in %.1f s", e, self.restart_delay_s)
+                    self.log.error("%s; retrying in %.1f s", e, self.restart_delay_s)
                     self._stop_worker_now()
                     await asyncio.sleep(self.restart_delay_s)
 
@@ -315,7 +327,7 @@ class ZmqEngineClient(EngineClient):
                 continue
             last_heard = time.monotonic()
             if isinstance(message, WorkerFailed):
-                logger.error("worker error: %s\n%s", message.message, message.traceback)
+                self.log.error("worker error: %s\n%s", message.message, message.traceback)
                 return message.message
             if not isinstance(message, Heartbeat):
                 self._on_message(message)
