@@ -55,14 +55,20 @@ class DataParallelClient(EngineClient):
             for rank in range(config.data_parallel_size)
         ]
         self.router = PrefixRouter(len(self.engines), config.block_size)
+        self._started: set[int] = set()  # engines that have been ready at least once
         self._turns = itertools.cycle(range(len(self.engines)))
         self.start_error: EngineStartError | None = None
         self.on_start_failed: Callable[[EngineStartError], None] | None = None
 
     @property
     def is_ready(self) -> bool:
-        """Some engine serves and the server takes new requests."""
-        return self._is_accepting and any(e.is_ready for e in self.engines)
+        """The server takes new requests: at start-up once every engine is ready (as vLLM's
+        front waits for all its engines), afterwards while any engine is."""
+        if not self._is_accepting:
+            return False
+        if len(self._started) < len(self.engines):
+            return False
+        return any(e.is_ready for e in self.engines)
 
     @property
     def num_engines(self) -> int:
@@ -87,6 +93,7 @@ class DataParallelClient(EngineClient):
     def _engine_ready(self, engine: ZmqEngineClient, info: Ready) -> None:
         if self.info is None:
             self.info = info
+        self._started.add(engine.engine_index)
         self.router.forget_engine(engine.engine_index)  # a new worker's cache is empty
 
     def _engine_failed_to_start(self, error: EngineStartError) -> None:
