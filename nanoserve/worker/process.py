@@ -44,6 +44,7 @@ logger = logging.getLogger("nanoserve.worker")
 
 IDLE_POLL_S = 0.5  # how long an idle worker blocks on its socket before checking its parent
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+WORKER_KERNEL_CACHE_SIZE = 128  # compiled oneDNN primitives kept per cache (CPU)
 
 
 def serve_engine(
@@ -101,6 +102,10 @@ def worker_environment(num_local_ranks: int = 1) -> dict[str, str]:
     - PyTorch's CPU allocator backs tensors of 2 MB and more with transparent huge pages
       (THP_MEM_ALLOC_ENABLE=1 unless set): decoding streams every weight once per token, and
       with 4 KB pages each 4 KB costs a TLB miss.
+    - oneDNN's caches of compiled matmul primitives hold WORKER_KERNEL_CACHE_SIZE entries each
+      (LRU_CACHE_CAPACITY: PyTorch's ideep op cache; ONEDNN_PRIMITIVE_CACHE_CAPACITY), not their
+      default 1,024: every new token count of a step compiles a primitive, and a long mixed load
+      kept growing the worker's memory until the caches were full.
 
     What each choice measured is in benchmarks/RESULTS.md.
     """
@@ -108,6 +113,8 @@ def worker_environment(num_local_ranks: int = 1) -> dict[str, str]:
     threads = max(1, ((os.cpu_count() or 1) - 1) // num_local_ranks)  # ranks share the cores
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+        env.setdefault(name, str(WORKER_KERNEL_CACHE_SIZE))
     return env
 
 

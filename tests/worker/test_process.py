@@ -174,3 +174,13 @@ def test_worker_environment_asks_for_huge_pages_unless_told_otherwise(monkeypatc
     assert worker_environment()["THP_MEM_ALLOC_ENABLE"] == "1"
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     assert worker_environment()["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+def test_worker_environment_bounds_the_onednn_caches_unless_told_otherwise(monkeypatch):
+    from nanoserve.worker.process import WORKER_KERNEL_CACHE_SIZE, worker_environment
+
+    for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)
+        assert worker_environment()[name] == str(WORKER_KERNEL_CACHE_SIZE)
+        monkeypatch.setenv(name, "7")
+        assert worker_environment()[name] == "7"
