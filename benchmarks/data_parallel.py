@@ -1,6 +1,6 @@
 """Data parallel 2 against 1 on a shared-prefix workload: prefix-cache hit rate and TTFT.
 
-    python -m benchmarks.data_parallel [--preset qwen3-0.6b] [--groups 4] [--per-group 6]
+    python -m benchmarks.data_parallel [--preset qwen3-0.6b] [--groups 5] [--per-group 5]
 
 Serves one dummy-weight checkpoint of the preset's shape three ways, each with the defaults a
 user gets (the worker's own thread choice): one engine, two engines routed by prefix (the
@@ -162,8 +162,10 @@ def run_arm(name: str, flags: list[str], model: Path, prompts, args, log_dir: Pa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen3-0.6b")
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--per-group", type=int, default=6)
+    # An odd number of groups: with an even one, taking turns between two engines would send
+    # every group to the same engine each time, as prefix routing does.
+    parser.add_argument("--groups", type=int, default=5)
+    parser.add_argument("--per-group", type=int, default=5)
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
