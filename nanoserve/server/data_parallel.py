@@ -103,19 +103,18 @@ class DataParallelClient(EngineClient):
             if self.on_start_failed is not None:
                 self.on_start_failed(error)
 
-    def choose_engine(self, prompt_token_ids: list[int]) -> ZmqEngineClient:
+    def choose_engine(self, prompt_token_ids: list[int], remember: bool = False) -> ZmqEngineClient:
+        """The engine for this prompt; `remember`: the router records where its prefix went."""
         ready = [e.is_ready for e in self.engines]
         if not any(ready):
             raise EngineDeadError("no model worker is ready")
         if self.routing == "round-robin":
-            index = next(i for i in self._turns if ready[i])
-        else:
-            loads = [e.num_in_flight for e in self.engines]
-            if self.routing == "prefix":
-                index = self.router.choose(prompt_token_ids, loads, ready)
-            else:
-                index = min((i for i in range(len(ready)) if ready[i]), key=lambda i: loads[i])
-        return self.engines[index]
+            return self.engines[next(i for i in self._turns if ready[i])]
+        loads = [e.num_in_flight for e in self.engines]
+        if self.routing == "least-loaded":
+            return self.engines[self.router.least_loaded(loads, ready)]
+        route = self.router.route if remember else self.router.choose
+        return self.engines[route(prompt_token_ids, loads, ready)]
 
     def add_request(
         self,
@@ -126,9 +125,8 @@ class DataParallelClient(EngineClient):
     ) -> None:
         if not self._is_accepting:
             raise EngineDeadError("the server is shutting down")
-        engine = self.choose_engine(prompt_token_ids)
+        engine = self.choose_engine(prompt_token_ids, remember=True)
         engine.add_request(request_id, prompt_token_ids, params, stream)
-        self.router.record(prompt_token_ids, engine.engine_index)
 
     def abort(self, request_ids: list[str]) -> None:
         """Each engine aborts those of the ids it serves (it knows its own)."""

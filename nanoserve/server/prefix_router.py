@@ -39,26 +39,48 @@ class PrefixRouter:
         self._owners: OrderedDict[BlockHash, int] = OrderedDict()  # prefix name -> engine
         self._turn = 0  # breaks ties between equally loaded engines
 
+    def route(self, prompt_token_ids: list[int], loads: list[int], ready: list[bool]) -> int:
+        """Choose this prompt's engine and remember that it now holds the prompt's prefixes
+        (the prompt's block names are computed once for both)."""
+        hashes = self._names(prompt_token_ids)
+        engine = self._choose(hashes, loads, ready)
+        self._record(hashes, engine)
+        return engine
+
     def choose(self, prompt_token_ids: list[int], loads: list[int], ready: list[bool]) -> int:
         """The engine for this prompt, given each engine's requests in flight and readiness."""
+        hashes = self._names(prompt_token_ids)
+        return self._choose(hashes, loads, ready)
+
+    def record(self, prompt_token_ids: list[int], engine: int) -> None:
+        """Remember that `engine` now holds this prompt's prefixes."""
+        self._record(self._names(prompt_token_ids), engine)
+
+    def least_loaded(self, loads: list[int], ready: list[bool]) -> int:
+        """The ready engine with the fewest requests in flight, taking turns among equals."""
         candidates = [i for i in range(self.num_engines) if ready[i]]
         if not candidates:
             raise RuntimeError("no engine is ready")
         least_load = min(loads[i] for i in candidates)
-        hashes = prefix_hashes(prompt_token_ids, self.block_size, MAX_BLOCKS_PER_PROMPT)
-        for block_hash in reversed(hashes):  # the longest remembered prefix first
-            owner = self._owners.get(block_hash)
-            if owner is not None and ready[owner]:
-                if loads[owner] - least_load <= self.max_imbalance:
-                    return owner
-                break
         least_loaded = [i for i in candidates if loads[i] == least_load]
         self._turn += 1
         return least_loaded[self._turn % len(least_loaded)]
 
-    def record(self, prompt_token_ids: list[int], engine: int) -> None:
-        """Remember that `engine` now holds this prompt's prefixes."""
-        for block_hash in prefix_hashes(prompt_token_ids, self.block_size, MAX_BLOCKS_PER_PROMPT):
+    def _names(self, prompt_token_ids: list[int]) -> list[BlockHash]:
+        return prefix_hashes(prompt_token_ids, self.block_size, MAX_BLOCKS_PER_PROMPT)
+
+    def _choose(self, hashes: list[BlockHash], loads: list[int], ready: list[bool]) -> int:
+        fallback = self.least_loaded(loads, ready)
+        for block_hash in reversed(hashes):  # the longest remembered prefix first
+            owner = self._owners.get(block_hash)
+            if owner is not None and ready[owner]:
+                if loads[owner] - loads[fallback] <= self.max_imbalance:
+                    return owner
+                break
+        return fallback
+
+    def _record(self, hashes: list[BlockHash], engine: int) -> None:
+        for block_hash in hashes:
             self._owners[block_hash] = engine
             self._owners.move_to_end(block_hash)
         while len(self._owners) > self.max_entries:
