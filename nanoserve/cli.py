@@ -61,8 +61,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", default=config_default(EngineConfig, "dtype"), choices=["auto", *DTYPES],
-        help="weight and activation dtype (auto: the checkpoint's, except that a float16 "
-        "checkpoint runs in bfloat16 on CPU; an explicit float16 stays float16, slow on CPU)",
+        help="weight and activation dtype (auto: the checkpoint's, except that a float32 "
+        "checkpoint runs in bfloat16 where the device has bf16, as vLLM does, and a float16 one "
+        "in bfloat16 on CPU; an explicit float16 stays float16, slow on CPU)",
     )  # fmt: skip
     add_hub_flags(parser)
     parser.add_argument(

@@ -13,6 +13,7 @@ import math
 import socket
 
 from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.cpu_features import has_native_bf16
 
 NUM_PORTS_TO_SUGGEST_FROM = 20
 
@@ -58,6 +59,8 @@ def _free_port_near(host: str, port: int) -> int | None:
 def kv_block_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
     """Bytes of one KV-cache block across all layers, as the worker will allocate it."""
     dtype = config.dtype if config.dtype != "auto" else model_config.torch_dtype
+    if config.dtype == "auto" and dtype == "float32" and has_native_bf16():
+        dtype = "bfloat16"  # as the worker resolves `auto` on CPU (engine/loader.py)
     bytes_per_value = 4 if dtype == "float32" else 2  # float16 and bfloat16 alike
     per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads
     return per_token * model_config.head_dim * config.block_size * bytes_per_value

@@ -16,8 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key-123"
 STARTUP_TIMEOUT_S = 240
+# float32: the test checkpoints are float32 and transformers (the oracle) runs them in float32;
+# `--dtype auto` would serve them in bfloat16 as vLLM does.
 TEST_FLAGS = [
     "--num-kv-blocks", "512", "--log-level", "warning", "--shutdown-timeout", "3",
+    "--dtype", "float32",
 ]  # fmt: skip
 
 

@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoserve.checkpoint import ModelLoadError, available_presets
 from nanoserve.config import EngineConfig
-from nanoserve.engine.loader import checkpoint_tensors, format_count, load_model
+from nanoserve.engine import loader
+from nanoserve.engine.loader import checkpoint_tensors, format_count, load_model, resolve_dtype
 from nanoserve.testing import make_tiny_checkpoint
 
 # Published parameter counts (embeddings included, a tied head counted once).
@@ -93,6 +94,22 @@ def test_checkpoint_dtype_is_cast(checkpoints):
     assert model.model.norm.weight.dtype == torch.bfloat16
     assert torch.equal(model.model.norm.weight, weights["model.norm.weight"].bfloat16())
     assert model.model.rotary_emb.cos_cache.dtype == torch.float32
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_dtype_resolves_as_vllm_does_on_cpu(monkeypatch, caplog, native_bf16):
+    monkeypatch.setattr(loader, "has_native_bf16", lambda: native_bf16)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="nanoserve.loader"):
+        fp32 = resolve_dtype("auto", "float32", cpu)
+    # A float32 checkpoint runs in bfloat16 where the CPU has bf16 instructions, said in a log.
+    assert fp32 == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert ("Downcasting torch.float32 to torch.bfloat16" in caplog.text) == native_bf16
+    assert resolve_dtype("auto", "float16", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", "bfloat16", cpu) == torch.bfloat16
+    # An explicit dtype is taken as it is.
+    assert resolve_dtype("float32", "float32", cpu) == torch.float32
+    assert resolve_dtype("float16", "bfloat16", cpu) == torch.float16
 
 
 def test_missing_and_unexpected_tensors_are_named(checkpoints, tmp_path):

@@ -1,0 +1,28 @@
+"""What this CPU computes natively, read from the operating system (no torch import).
+
+The front (torch-free) and the worker must agree on what `--dtype auto` means on CPU: the front
+sizes KV-cache blocks before the worker starts. Both ask `has_native_bf16`.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+# x86: AVX-512 BF16 or AMX-BF16 instructions; Arm: the BF16 extension (`bf16` in Features).
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@functools.cache
+def has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU has bfloat16 instructions (so bf16 is faster than float32 here)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:  # not Linux: Apple silicon has bf16 from M2 on; assume it elsewhere not
+        return platform.system() == "Darwin" and platform.machine() == "arm64"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return not BF16_FLAGS.isdisjoint(value.split())
+    return False
