@@ -97,6 +97,9 @@ class Server:
         self.description: dict = {}
 
     def start(self) -> None:
+        """Launch the server (unless it is a URL arm) and wait until it answers; the seconds
+        from launch to ready go into the description as `startup_s`."""
+        started = time.monotonic()
         argv, env, self.description = self._launch()
         if argv is not None:
             port = free_port()
@@ -113,6 +116,8 @@ class Server:
                     start_new_session=True,  # its own process group, so stop() ends its children
                 )
         self._wait_ready()
+        if argv is not None:
+            self.description["startup_s"] = round(time.monotonic() - started, 1)
         self.served_model = self._served_model()
         self.description["version"] = self._version()
 

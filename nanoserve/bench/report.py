@@ -78,6 +78,7 @@ ARM_COLUMNS = [
     Column("omp_wait_policy", "OMP_WAIT_POLICY"),
     Column("dtype", "dtype"),
     Column("version", "version"),
+    Column("startup_s", "start-up s", digits=1),
     Column("status", "status"),
 ]
 

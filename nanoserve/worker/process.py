@@ -45,6 +45,9 @@ logger = logging.getLogger("nanoserve.worker")
 IDLE_POLL_S = 0.5  # how long an idle worker blocks on its socket before checking its parent
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 WORKER_KERNEL_CACHE_SIZE = 128  # compiled oneDNN primitives kept per cache (CPU)
+# Up to this many cores the worker computes on all of them: leaving one to the front would cost
+# 1/cores of the compute, and on 2 cores that measured worse at every load (RESULTS.md).
+ALL_CORES_UP_TO = 4
 
 
 def serve_engine(
@@ -93,10 +96,12 @@ def _handle(engine, message, send: Callable[[msgspec.Struct], None]) -> None:
 
 
 def worker_environment(num_local_ranks: int = 1) -> dict[str, str]:
-    """The worker's environment: the front's, with one core left to the front on CPU.
+    """The worker's environment: the front's, with compute threads chosen for this machine.
 
-    - Threads: unless OMP_NUM_THREADS says otherwise the worker computes on `cores - 1` threads
-      (as vLLM's CPU backend reserves one), so the front and its HTTP clients keep a core.
+    - Threads: unless OMP_NUM_THREADS says otherwise the worker computes on every core of a
+      small machine (up to ALL_CORES_UP_TO), where a core left idle for the front costs more
+      than the front's few milliseconds per step, and on `cores - 1` of a larger one, so the
+      front and its HTTP clients keep a core. Ranks of one engine share them.
     - OpenMP keeps its default wait policy (spin briefly between parallel regions, then sleep):
       passive waiting pays a thread wake-up on every op.
     - PyTorch's CPU allocator backs tensors of 2 MB and more with transparent huge pages
@@ -110,12 +115,17 @@ def worker_environment(num_local_ranks: int = 1) -> dict[str, str]:
     What each choice measured is in benchmarks/RESULTS.md.
     """
     env = dict(os.environ)
-    threads = max(1, ((os.cpu_count() or 1) - 1) // num_local_ranks)  # ranks share the cores
-    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("OMP_NUM_THREADS", str(worker_threads(os.cpu_count() or 1, num_local_ranks)))
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
         env.setdefault(name, str(WORKER_KERNEL_CACHE_SIZE))
     return env
+
+
+def worker_threads(num_cores: int, num_local_ranks: int = 1) -> int:
+    """Compute threads per rank: every core of a small machine, all but one of a larger one."""
+    reserved_for_front = 0 if num_cores <= ALL_CORES_UP_TO else 1
+    return max(1, (num_cores - reserved_for_front) // num_local_ranks)
 
 
 def run_worker(

@@ -41,6 +41,8 @@ def test_harness_end_to_end(tmp_path):
         assert [a["name"] for a in document["arms"]] == ["nanoserve", "hf"]
         assert all(a["status"] == "ok" for a in document["arms"])
         assert document["arms"][0]["mode"] == "eager (--enforce-eager)"
+        # Every arm we start reports its seconds from launch to ready.
+        assert all(0 < a["startup_s"] < 600 for a in document["arms"])
         assert document["baseline"] == "nanoserve"
         columns, rows = document["table"]["columns"], document["table"]["rows"]
         assert {row["arm"] for row in rows} == {"nanoserve", "hf"}

@@ -155,6 +155,16 @@ def test_worker_process_serves_over_zmq_and_exits_on_shutdown(tiny_model: Path) 
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize(
+    ("cores", "ranks", "threads"),
+    [(1, 1, 1), (2, 1, 2), (4, 1, 4), (8, 1, 7), (16, 1, 15), (2, 2, 1), (8, 2, 3), (3, 4, 1)],
+)
+def test_small_machines_compute_on_every_core(cores, ranks, threads):
+    from nanoserve.worker.process import worker_threads
+
+    assert worker_threads(cores, ranks) == threads
+
+
 def test_worker_environment_leaves_a_core_and_keeps_openmp_waiting(monkeypatch):
     from nanoserve.worker.process import worker_environment
 
