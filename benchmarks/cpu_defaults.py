@@ -1,0 +1,128 @@
+"""In-process CPU measurements behind issue 14's defaults: int8 speed, long prefills, auto dtype.
+
+    python -m benchmarks.cpu_defaults int8        # single-stream decode, int8 against bf16
+    python -m benchmarks.cpu_defaults prefill     # one 1,500-token prompt, against a matmul probe
+    python -m benchmarks.cpu_defaults auto-dtype  # a small float32 checkpoint: auto (bf16) vs fp32
+
+Arms that are compared run in one process, alternating round by round, so that a noisy machine
+shifts both; medians are printed. Random (dummy or seeded) weights, greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.bench.machine import measure_read_bandwidth_gb_s
+from nanoserve.engine.cpu_linear import pack, packed_linear
+from nanoserve.testing import make_tiny_checkpoint
+
+QWEN3_06B = "Qwen/Qwen3-0.6B"
+# Qwen3-0.6B: per layer q/k/v (1024 -> 4096), o (2048 -> 1024), gate/up/down (1024 <-> 3072).
+LINEAR_PARAMS_06B = 28 * (1024 * 4096 + 2048 * 1024 + 3 * 1024 * 3072)
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def decode_tok_s(llm: LLM, prompt: list[int], num_tokens: int) -> float:
+    """Tokens per second of decoding alone: a full request minus its one-token prefill."""
+    started = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    prefill_s = time.perf_counter() - started
+    started = time.perf_counter()
+    params = SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True)
+    llm.generate([prompt], params)
+    return num_tokens / (time.perf_counter() - started - prefill_s)
+
+
+def alternate(llms: dict[str, LLM], rounds: int, num_tokens: int) -> dict[str, list[float]]:
+    """Each round decodes one new prompt per arm, arms in turn."""
+    results: dict[str, list[float]] = {name: [] for name in llms}
+    for r in range(rounds):
+        for name, llm in llms.items():
+            results[name].append(decode_tok_s(llm, [r * 7 + 3, *range(100, 146)], num_tokens))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} tok/s" for k, v in results.items()))
+    return results
+
+
+def measure_int8(rounds: int) -> None:
+    llms = {
+        "bf16": LLM(QWEN3_06B, load_format="dummy", max_model_len=1024),
+        "int8": LLM(QWEN3_06B, load_format="dummy", max_model_len=1024, quantization="int8"),
+    }
+    results = alternate(llms, rounds, num_tokens=32)
+    bf16, int8 = median(results["bf16"]), median(results["int8"])
+    bandwidth, _ = measure_read_bandwidth_gb_s(torch.get_num_threads())
+    print(f"median decode: bf16 {bf16:.2f}, int8 {int8:.2f} tok/s -> int8 {int8 / bf16:.2f}x; "
+          f"read bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
+
+
+def matmul_probe_tflops(rows: int) -> float:
+    """The packed bf16 product of `rows` tokens by a 1024 -> 6144 weight: this CPU's peak."""
+    x = torch.randn(rows, 1024, dtype=torch.bfloat16)  # [rows, 1024]
+    packed = pack(torch.randn(6144, 1024, dtype=torch.bfloat16))  # [6144, 1024]
+    packed_linear(x, packed, None)
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        packed_linear(x, packed, None)
+        times.append(time.perf_counter() - started)
+    return 2 * rows * 1024 * 6144 / min(times) / 1e12
+
+
+def measure_prefill(num_tokens: int, runs: int) -> None:
+    peak = matmul_probe_tflops(num_tokens)
+    llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=4096, dtype="bfloat16")
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([list(range(200, 300))], one_token)
+    times = []
+    for i in range(runs):
+        started = time.perf_counter()
+        llm.generate([[1000 + i, *range(2000, 2000 + num_tokens - 1)]], one_token)
+        times.append(time.perf_counter() - started)
+    attention = 28 * 2 * 2 * num_tokens * num_tokens / 2 * 16 * 128  # causal QK^T and PV
+    flops = 2 * LINEAR_PARAMS_06B * num_tokens + attention
+    best = min(times)
+    print(f"{num_tokens}-token prefill: best {best:.2f} s of {[round(t, 2) for t in times]}, "
+          f"{flops / 1e12:.2f} TFLOP -> {flops / best / 1e12:.3f} TFLOP/s; matmul probe "
+          f"{peak:.3f} TFLOP/s ({flops / best / 1e12 / peak:.0%} of it)")  # fmt: skip
+
+
+def measure_auto_dtype(rounds: int) -> None:
+    checkpoint = make_tiny_checkpoint(
+        tempfile.mkdtemp(), "qwen3", hidden_size=512, intermediate_size=1536,
+        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        max_position_embeddings=2048,
+    )  # fmt: skip
+    llms = {
+        "auto": LLM(str(checkpoint), max_model_len=1024),
+        "float32": LLM(str(checkpoint), max_model_len=1024, dtype="float32"),
+    }
+    results = alternate(llms, rounds, num_tokens=64)
+    auto, fp32 = median(results["auto"]), median(results["float32"])
+    print(f"median decode: auto (bf16) {auto:.0f}, float32 {fp32:.0f} tok/s -> {auto / fp32:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("measure", choices=["int8", "prefill", "auto-dtype"])
+    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: 4)")
+    parser.add_argument("--prompt-tokens", type=int, default=1500, help="prefill (default: 1500)")
+    args = parser.parse_args()
+    print(f"{torch.get_num_threads()} threads")
+    if args.measure == "int8":
+        measure_int8(args.rounds)
+    elif args.measure == "prefill":
+        measure_prefill(args.prompt_tokens, runs=3)
+    else:
+        measure_auto_dtype(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
