@@ -92,8 +92,10 @@ def decode_group_attention(
     kv_heads = torch.arange(num_kv_heads, device=query.device)
     # Row of each (request, KV head, key) in the cache viewed as [num_slots * Hkv, D].
     rows = meta.decode_slots[:, None, :] * num_kv_heads + kv_heads[None, :, None]  # [B, Hkv, K]
-    k = k_cache.view(-1, head_dim)[rows]  # [B, Hkv, K, D]
-    v = v_cache.view(-1, head_dim)[rows]  # [B, Hkv, K, D]
+    context_shape, flat_rows = (*rows.shape, head_dim), rows.flatten()
+    # index_select copies whole rows: on CPU 3-10x faster than advanced indexing, same values.
+    k = k_cache.view(-1, head_dim).index_select(0, flat_rows).view(context_shape)  # [B, Hkv, K, D]
+    v = v_cache.view(-1, head_dim).index_select(0, flat_rows).view(context_shape)  # [B, Hkv, K, D]
     # [B, H, D] -> [B, Hkv, group, D]: query heads grouped under the KV head they share.
     q = query.view(num_requests, num_kv_heads, group, head_dim)
 
@@ -132,8 +134,8 @@ def prompt_attention(
             v = new_kv[1][start : start + num_queries]
         else:
             blocks = meta.block_tables[index, : -(-num_keys // block_size)]
-            k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:num_keys]  # [K_i, Hkv, D]
-            v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:num_keys]
+            k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:num_keys]
+            v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:num_keys]
         q = query[start : start + num_queries]  # [Q_i, H, D]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # [1, H, Q_i, D]
