@@ -81,7 +81,10 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["-dp", "0"], "--data-parallel-size must be ≥ 1, got 0"),
         (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1MiB would hold it"),
-        (["--kv-cache-memory", "256KiB", "--max-model-len", "512"], "needs 32 blocks"),
+        (
+            ["--kv-cache-memory", "256KiB", "--max-model-len", "512", "--dtype", "float32"],
+            "needs 32 blocks",
+        ),
     ],
 )
 def test_bad_settings_fail_in_one_line_before_any_worker_starts(
