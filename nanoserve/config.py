@@ -19,6 +19,20 @@ QUANTIZATIONS = ("int8",)
 DEFAULT_MIN_BATCHED_TOKENS = 2048
 
 
+def resolve_auto_dtype(checkpoint_dtype: str, device_type: str, device_has_bf16: bool) -> str:
+    """`--dtype auto` as vLLM resolves it: the checkpoint's dtype, except that float32 runs in
+    bfloat16 where the device has bf16 (float16 on CUDA without it) and float16 runs in bfloat16
+    on CPU. Torch-free: the front sizes KV blocks with it, the worker builds the model with it."""
+    dtype = checkpoint_dtype if checkpoint_dtype in DTYPES else "bfloat16"
+    if dtype == "float32" and device_has_bf16:
+        return "bfloat16"
+    if dtype == "float32" and device_type == "cuda":
+        return "float16"
+    if dtype == "float16" and device_type == "cpu":
+        return "bfloat16"
+    return dtype
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a Llama-family transformer, read from a checkpoint's config.json."""

@@ -12,7 +12,7 @@ import errno
 import math
 import socket
 
-from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.config import EngineConfig, ModelConfig, resolve_auto_dtype
 from nanoserve.cpu_features import has_native_bf16
 
 NUM_PORTS_TO_SUGGEST_FROM = 20
@@ -57,10 +57,10 @@ def _free_port_near(host: str, port: int) -> int | None:
 
 
 def kv_block_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
-    """Bytes of one KV-cache block across all layers, as the worker will allocate it."""
-    dtype = config.dtype if config.dtype != "auto" else model_config.torch_dtype
-    if config.dtype == "auto" and dtype == "float32" and has_native_bf16():
-        dtype = "bfloat16"  # as the worker resolves `auto` on CPU (engine/loader.py)
+    """Bytes of one KV-cache block across all layers, as the worker will allocate it on CPU."""
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = resolve_auto_dtype(model_config.torch_dtype, "cpu", has_native_bf16())
     bytes_per_value = 4 if dtype == "float32" else 2  # float16 and bfloat16 alike
     per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads
     return per_token * model_config.head_dim * config.block_size * bytes_per_value

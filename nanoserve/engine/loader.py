@@ -26,7 +26,7 @@ from nanoserve.checkpoint import (
     resolve_checkpoint,
     weight_files,
 )
-from nanoserve.config import DTYPES, EngineConfig, ModelConfig
+from nanoserve.config import EngineConfig, ModelConfig, resolve_auto_dtype
 from nanoserve.cpu_features import has_native_bf16
 from nanoserve.engine.distributed.parallel import TensorParallel
 from nanoserve.engine.layers.linear import CheckpointSlice, CheckpointTargets
@@ -61,27 +61,14 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` is the checkpoint's dtype, as vLLM resolves it: a float32 checkpoint runs in
-    bfloat16 where the device computes in bfloat16 (float16 on CUDA without it), and a float16
-    checkpoint runs in bfloat16 on CPU. An explicit dtype is taken as it is."""
+    """An explicit dtype as it is; `auto` as vLLM resolves it (`config.resolve_auto_dtype`)."""
     if dtype != "auto":
         return getattr(torch, dtype)
-    resolved = getattr(torch, checkpoint_dtype) if checkpoint_dtype in DTYPES else torch.bfloat16
-    if resolved == torch.float32:
-        downcast = preferred_half_dtype(device)
-        if downcast != torch.float32:
-            logger.warning("Downcasting torch.float32 to %s (--dtype float32 keeps it)", downcast)
-        return downcast
-    if resolved == torch.float16 and device.type == "cpu":
-        return torch.bfloat16
-    return resolved
-
-
-def preferred_half_dtype(device: torch.device) -> torch.dtype:
-    """The 16-bit dtype this device computes fastest: bfloat16 where it has it."""
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if has_native_bf16() else torch.float32  # emulated bf16 is slower
+    has_bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else has_native_bf16()
+    resolved = resolve_auto_dtype(checkpoint_dtype, device.type, has_bf16)
+    if checkpoint_dtype == "float32" and resolved != "float32":
+        logger.warning("Downcasting torch.float32 to torch.%s (--dtype float32 keeps it)", resolved)
+    return getattr(torch, resolved)
 
 
 # ---------------------------------------------------------------------------------------------
