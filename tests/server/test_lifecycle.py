@@ -15,6 +15,8 @@ import httpx
 import pytest
 from servers import ServerProcess
 
+from nanoserve.testing import make_tiny_checkpoint
+
 
 @contextlib.contextmanager
 def serving(model: Path, tmp_path: Path, *flags: str) -> Iterator[ServerProcess]:
@@ -29,6 +31,23 @@ def serving(model: Path, tmp_path: Path, *flags: str) -> Iterator[ServerProcess]
 @pytest.fixture
 def own_server(tiny_model: Path, tmp_path: Path) -> Iterator[ServerProcess]:
     with serving(tiny_model, tmp_path) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def slower_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wider, deeper random model: its 900-token streams outlast a 3 s shutdown grace on any
+    core count (the tiny model's could finish within it once the worker had both cores)."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("slower"), "qwen3", hidden_size=512, intermediate_size=1536,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def slower_server(slower_model: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    with serving(slower_model, tmp_path) as server:
         yield server
 
 
@@ -169,9 +188,9 @@ async def sigterm_under_load(server: ServerProcess) -> tuple[list[list[str]], li
     return ended, answers, elapsed
 
 
-def test_sigterm_under_load_ends_every_stream_with_done(own_server: ServerProcess) -> None:
-    [worker] = own_server.worker_pids()
-    ended, answers, elapsed = asyncio.run(sigterm_under_load(own_server))
+def test_sigterm_under_load_ends_every_stream_with_done(slower_server: ServerProcess) -> None:
+    [worker] = slower_server.worker_pids()
+    ended, answers, elapsed = asyncio.run(sigterm_under_load(slower_server))
     assert elapsed < 3 + 2 + 3  # --shutdown-timeout 3, the flush, slack
     for lines in ended:
         assert lines[-1] == "data: [DONE]"
@@ -179,9 +198,9 @@ def test_sigterm_under_load_ends_every_stream_with_done(own_server: ServerProces
         assert error["code"] == 503 and error["message"] == "the server is shutting down"
     for answer in answers:
         assert isinstance(answer, httpx.Response) and answer.status_code == 503, answer
-    assert own_server.process.wait(timeout=30) == 0
+    assert slower_server.process.wait(timeout=30) == 0
     wait_for(lambda: not Path(f"/proc/{worker}").exists(), 10, "the worker gone")
-    log = own_server.log()
+    log = slower_server.log()
     assert "Traceback" not in log and "CancelledError" not in log, log
 
 
