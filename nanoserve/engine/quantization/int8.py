@@ -1,9 +1,11 @@
 """int8 weight-only linears: each output channel's weights scaled into [-127, 127].
 
-Decoding one token streams every weight once, so a quarter of bf16's bytes is up to ~2× the
-speed where memory bandwidth bounds the step. Activations stay in the model's dtype: the CPU
-multiplies with PyTorch's int8 weight-only kernel (`aten._weight_int8pack_mm`); elsewhere the
-weight is widened to the activations' dtype inside the product.
+Decoding one token streams every weight once, so half of bf16's bytes is up to ~2× the speed
+where memory bandwidth bounds the step. Activations stay in the model's dtype. On CPU, decode
+steps (up to `MAX_ROWS` tokens of bf16) take our compiled weight-streaming GEMV
+(`int8_cpu_gemv`; PyTorch's `aten._weight_int8pack_mm` where it could not be built). Everything
+else (prefills, which are compute-bound, other dtypes, GPUs) multiplies by the weight widened to
+the activations' dtype, which int8 values survive exactly.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.engine.layers.linear import DENSE, Linear, LinearMethod
+from nanoserve.engine.quantization.int8_cpu_gemv import MAX_ROWS, Gemv, load_int8_gemv
 
 logger = logging.getLogger("nanoserve.quantization")
 
@@ -29,7 +32,13 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8LinearMethod(LinearMethod):
-    """`layer.int8_weight` [out, in] int8 and `layer.int8_scales` [out]; no float weight."""
+    """`layer.int8_weight` [out, in] int8 and `layer.int8_scales` [out]; no float weight.
+
+    `gemv` is the compiled CPU kernel for decode steps (None: PyTorch's kernel instead).
+    """
+
+    def __init__(self, gemv: Gemv | None = None) -> None:
+        self.gemv = gemv
 
     def process_weights(self, layer: Linear) -> None:
         quantized, scales = quantize_int8(layer.weight.detach())
@@ -40,16 +49,21 @@ class Int8LinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         weight = cast(torch.Tensor, layer.int8_weight)
         scales = cast(torch.Tensor, layer.int8_scales)
-        if x.device.type == "cpu":
+        rows, in_features = x.shape
+        decode_step = x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= MAX_ROWS
+        if decode_step and self.gemv is not None:
+            out = self.gemv(x, weight, scales)
+        elif decode_step and in_features % 32 == 0:  # PyTorch's kernel sums other widths wrongly
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight, scales)
         else:
-            out = F.linear(x, weight.to(x.dtype)) * scales
+            out = F.linear(x, weight.to(x.dtype)) * scales  # int8 -> bf16/fp16/fp32 is exact
         return out if layer.bias is None else out + layer.bias
 
 
 def install_int8_linears(model: nn.Module, include_lm_head: bool = True) -> int:
     """Quantize every plain Linear of `model` (the LM head unless excluded); returns how many."""
-    method = Int8LinearMethod()
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    method = Int8LinearMethod(load_int8_gemv() if on_cpu else None)
     lm_head = getattr(model, "lm_head", None)
     layers = [
         m
@@ -59,6 +73,7 @@ def install_int8_linears(model: nn.Module, include_lm_head: bool = True) -> int:
     for layer in layers:
         layer.method = method
         method.process_weights(layer)
-    logger.info("int8 weights for %d linear layers (LM head %s)", len(layers),
-                "included" if include_lm_head else "kept in the model dtype")  # fmt: skip
+    logger.info("int8 weights for %d linear layers (LM head %s); decode products by %s",
+                len(layers), "included" if include_lm_head else "kept in the model dtype",
+                "the compiled GEMV" if method.gemv else "PyTorch's kernels")  # fmt: skip
     return len(layers)

@@ -38,7 +38,7 @@ def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, bias):
     bias_values = None if layer.bias is None else layer.bias.detach().clone()
     assert install_int8_linears(layer) == 1 and isinstance(layer.method, Int8LinearMethod)
     assert layer.weight is None
-    for num_tokens in (1, 5):
+    for num_tokens in (1, 5, 9, 40):  # the GEMV, and the widened product beyond 8 rows
         x = torch.randn(num_tokens, 64, dtype=dtype)
         expected = F.linear(x.float(), dequantized.float(), None)
         if bias_values is not None:
