@@ -36,7 +36,8 @@ _COMMON: dict[str, Any] = {
     "pad_token_id": PAD_TOKEN_ID,
 }
 
-# Shapes of well-known checkpoints (from their config.json), plus two small ones for tests.
+# Shapes of well-known checkpoints (from their config.json), two small ones for tests, and a
+# small float32 model (issue 14's "small" row: where per-step overheads, not weights, dominate).
 PRESETS: dict[str, dict[str, Any]] = {
     "test": {
         "vocab_size": 320,
@@ -55,6 +56,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 4,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+    },
+    "small-fp32": {
+        "vocab_size": 320,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
         "head_dim": 64,
         "max_position_embeddings": 4096,
     },
@@ -80,12 +91,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Presets whose checkpoint is not written in bfloat16.
+PRESET_DTYPES = {"small-fp32": torch.float32}
+
 # Token ids (= byte values in the byte tokenizer) greedy decoding may produce.
 ALLOWED_OUTPUT_IDS = [10, *range(32, 127)]
 
 
 def make_dummy_checkpoint(directory: str | Path, preset: str, seed: int = 0) -> Path:
-    """Write a bf16 Qwen3 checkpoint of `preset`'s shape with seeded weights and a byte tokenizer.
+    """Write a Qwen3 checkpoint of `preset`'s shape (bf16 unless `PRESET_DTYPES` says otherwise)
+    with seeded weights and a byte tokenizer.
 
     Reuses `directory` when it already holds the same preset and seed (see `bench_model.json`).
     """
@@ -96,7 +111,9 @@ def make_dummy_checkpoint(directory: str | Path, preset: str, seed: int = 0) -> 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     directory = Path(directory)
-    stamp = {"preset": preset, "seed": seed, "dtype": "bfloat16", "format": 1}
+    dtype = PRESET_DTYPES.get(preset, torch.bfloat16)
+    dtype_name = str(dtype).removeprefix("torch.")
+    stamp = {"preset": preset, "seed": seed, "dtype": dtype_name, "format": 1}
     stamp_path = directory / "bench_model.json"
     if stamp_path.exists() and json.loads(stamp_path.read_text()) == stamp:
         return directory
@@ -104,7 +121,7 @@ def make_dummy_checkpoint(directory: str | Path, preset: str, seed: int = 0) -> 
     config = transformers.Qwen3Config(**_COMMON, **PRESETS[preset])
     started = time.perf_counter()
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = model.to_empty(device="cpu")  # non-persistent buffers (rotary) are not saved
     model.tie_weights()  # to_empty gave the tied head its own storage
     _init_weights(model, config, seed)
