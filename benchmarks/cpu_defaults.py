@@ -3,6 +3,7 @@
     python -m benchmarks.cpu_defaults int8        # single-stream decode, int8 against bf16
     python -m benchmarks.cpu_defaults prefill     # one 1,500-token prompt, against a matmul probe
     python -m benchmarks.cpu_defaults auto-dtype  # a small float32 checkpoint: auto (bf16) vs fp32
+    python -m benchmarks.cpu_defaults fused       # decode with fused norm/RoPE kernels and without
 
 Arms that are compared run in one process, alternating round by round, so that a noisy machine
 shifts both; medians are printed. Random (dummy or seeded) weights, greedy decoding.
@@ -19,6 +20,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.bench.machine import measure_read_bandwidth_gb_s
 from nanoserve.engine.cpu_linear import pack, packed_linear
+from nanoserve.engine.layers.cpu_fused import use_fused_cpu_ops
 from nanoserve.testing import make_tiny_checkpoint
 
 QWEN3_06B = "Qwen/Qwen3-0.6B"
@@ -109,9 +111,22 @@ def measure_auto_dtype(rounds: int) -> None:
     print(f"median decode: auto (bf16) {auto:.0f}, float32 {fp32:.0f} tok/s -> {auto / fp32:.2f}x")
 
 
+def measure_fused(rounds: int) -> None:
+    """One model, the fused CPU kernels switched on and off round by round."""
+    llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
+    results: dict[str, list[float]] = {"plain ops": [], "fused": []}
+    for r in range(rounds):
+        for name in results:
+            use_fused_cpu_ops(name == "fused")
+            results[name].append(decode_tok_s(llm, [r * 7 + 3, *range(100, 146)], 32))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} tok/s" for k, v in results.items()))
+    plain, fused = median(results["plain ops"]), median(results["fused"])
+    print(f"median decode: plain {plain:.2f}, fused {fused:.2f} tok/s -> {fused / plain:.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("measure", choices=["int8", "prefill", "auto-dtype"])
+    parser.add_argument("measure", choices=["int8", "prefill", "auto-dtype", "fused"])
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: 4)")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="prefill (default: 1500)")
     args = parser.parse_args()
@@ -120,6 +135,8 @@ def main() -> None:
         measure_int8(args.rounds)
     elif args.measure == "prefill":
         measure_prefill(args.prompt_tokens, runs=3)
+    elif args.measure == "fused":
+        measure_fused(args.rounds)
     else:
         measure_auto_dtype(args.rounds)
 

@@ -1,7 +1,11 @@
-"""Suite-wide pytest setup: `gpu` tests run only where CUDA is present."""
+"""Suite-wide pytest setup: `gpu` tests run only where CUDA is present, and the C++ CPU kernels
+are built once before any test (servers' workers then load them instead of compiling them
+while a test waits for /health)."""
 
 import pytest
 import torch
+
+from nanoserve.engine.cpu_kernels import load_cpu_kernels
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,3 +15,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(no_cuda)
+
+
+def pytest_sessionstart(session):
+    load_cpu_kernels()  # ~40 s the first time on a machine, then well under a second

@@ -29,6 +29,7 @@ from nanoserve.engine.cuda_graphs import CudaGraphRunner
 from nanoserve.engine.distributed.parallel import TensorParallel
 from nanoserve.engine.distributed.step_broadcast import StepBroadcaster
 from nanoserve.engine.kv_cache import KVCache
+from nanoserve.engine.layers.cpu_fused import use_fused_cpu_ops
 from nanoserve.engine.models.llama import LlamaForCausalLM
 from nanoserve.engine.quantization.fp8 import can_use_fp8_matmul, install_fp8_linears
 from nanoserve.engine.quantization.int8 import install_int8_linears
@@ -59,7 +60,7 @@ def install_linear_methods(
     compile_decode: bool,
 ) -> None:
     """int8 where asked; FP8 products for an FP8 checkpoint on an FP8 GPU; then, on CPU,
-    oneDNN-packed weights for the linears still plain."""
+    oneDNN-packed weights for the linears still plain, and the fused norm and RoPE kernels."""
     if quantization is not None and quantization.method == "int8":
         install_int8_linears(model, include_lm_head=quantization.include_lm_head)
     elif quantization is not None and quantization.checkpoint_fp8 and can_use_fp8_matmul(device):
@@ -67,6 +68,7 @@ def install_linear_methods(
     if device.type == "cpu":
         # The compiled one-token products stream the plain weights: keep them too.
         install_packed_linears(model, keep_plain_weights=compile_decode)
+        use_fused_cpu_ops()  # RMSNorm and RoPE in one pass each, in eager steps
 
 
 class ModelRunner:

@@ -1,9 +1,15 @@
-"""RMSNorm, computed in float32 whatever the weights' dtype (as transformers does)."""
+"""RMSNorm, computed in float32 whatever the weights' dtype (as transformers does).
+
+On CPU, eager steps take the fused kernel when it is on (`cpu_fused`): the same roundings in
+one pass instead of 7 ops.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from nanoserve.engine.layers.cpu_fused import fused_ops_for
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., D] -> [..., D]
@@ -12,6 +18,9 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., D] -> [
     This is RMSNorm without its learned scale: transformers rounds to the input dtype *before*
     scaling, so callers multiply by the weight afterwards (and may use one weight per head).
     """
+    fused = fused_ops_for(x)
+    if fused is not None and x.dim() in (2, 3):  # [T, D] or [T, heads, D]
+        return fused.rms_norm(x, None, eps)
     input_dtype = x.dtype
     x = x.float()
     variance = x.pow(2).mean(-1, keepdim=True)  # [..., 1]
@@ -27,6 +36,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
+        fused = fused_ops_for(x)
+        if fused is not None and x.dim() in (2, 3) and x.dtype == self.weight.dtype:
+            return fused.rms_norm(x, self.weight, self.eps)
         return self.weight * rms_normalize(x, self.eps)
 
     def extra_repr(self) -> str:

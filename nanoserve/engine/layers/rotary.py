@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from nanoserve.checkpoint import check_rope_scaling
+from nanoserve.engine.layers.cpu_fused import fused_ops_for
 
 
 def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -84,7 +85,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     transformers computes x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1].
     Here the halves are swapped to [x2, x1] and the signed table supplies the minus: the same
     arithmetic, rounding included, in fewer ops. (`torch.roll` would say the same but compiles
-    to a slower decode step: inductor inlines it into the attention loop.)
+    to a slower decode step: inductor inlines it into the attention loop.) On CPU, eager steps
+    take the fused kernel when it is on (`cpu_fused`): the same roundings in one pass.
     """
+    fused = fused_ops_for(x)
+    if fused is not None and cos.dtype == x.dtype and cos.is_contiguous():
+        return fused.rotary(x, cos, signed_sin)
     x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
     return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin  # [T, H, D]

@@ -3,24 +3,33 @@
 Decoding one token streams every weight once, so half of bf16's bytes is up to ~2× the speed
 where memory bandwidth bounds the step. Activations stay in the model's dtype. On CPU, decode
 steps (up to `MAX_ROWS` tokens of bf16) take our compiled weight-streaming GEMV
-(`int8_cpu_gemv`; PyTorch's `aten._weight_int8pack_mm` where it could not be built). Everything
-else (prefills, which are compute-bound, other dtypes, GPUs) multiplies by the weight widened to
-the activations' dtype, which int8 values survive exactly.
+(`csrc/int8_gemv.cpp`, see `cpu_kernels`): PyTorch's `aten._weight_int8pack_mm` converts more
+slowly than memory delivers, so with it int8 barely beats packed bf16 (it stays the fallback
+where our kernels could not be built). Everything else (prefills, which are compute-bound,
+other dtypes, GPUs) multiplies by the weight widened to the activations' dtype, which int8
+values survive exactly.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.engine.cpu_kernels import load_cpu_kernels
 from nanoserve.engine.layers.linear import DENSE, Linear, LinearMethod
-from nanoserve.engine.quantization.int8_cpu_gemv import MAX_ROWS, Gemv, load_int8_gemv
 
 logger = logging.getLogger("nanoserve.quantization")
+
+# Most tokens one GEMV call multiplies: each weight row is read once for all of them, and their
+# float32 activations stay in L1/L2. Longer inputs (prefills) are compute-bound.
+MAX_ROWS = 8
+
+Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +72,8 @@ class Int8LinearMethod(LinearMethod):
 def install_int8_linears(model: nn.Module, include_lm_head: bool = True) -> int:
     """Quantize every plain Linear of `model` (the LM head unless excluded); returns how many."""
     on_cpu = next(model.parameters()).device.type == "cpu"
-    method = Int8LinearMethod(load_int8_gemv() if on_cpu else None)
+    kernels = load_cpu_kernels() if on_cpu else None
+    method = Int8LinearMethod(kernels.int8_gemv if kernels is not None else None)
     lm_head = getattr(model, "lm_head", None)
     layers = [
         m

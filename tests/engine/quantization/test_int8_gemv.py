@@ -1,19 +1,19 @@
-"""The compiled int8 GEMV: its products against float32 and PyTorch's kernel, its build key."""
+"""The compiled int8 GEMV (csrc/int8_gemv.cpp): its products against float32 and PyTorch's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nanoserve.engine.quantization.int8 import quantize_int8
-from nanoserve.engine.quantization.int8_cpu_gemv import MAX_ROWS, cpu_key, load_int8_gemv
+from nanoserve.engine.cpu_kernels import load_cpu_kernels
+from nanoserve.engine.quantization.int8 import MAX_ROWS, quantize_int8
 
 
 @pytest.fixture(scope="module")
 def gemv():
-    kernel = load_int8_gemv()  # compiles on first use (the CI image has g++ and ninja)
-    assert kernel is not None, "the int8 GEMV did not compile; see the warning in the log"
-    return kernel
+    kernels = load_cpu_kernels()  # compiles on first use (the CI image has g++ and ninja)
+    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
+    return kernels.int8_gemv
 
 
 # in_features: a multiple of the 64-weight step, one with a tail, one shorter than a step.
@@ -55,12 +55,3 @@ def test_gemv_splits_rows_across_threads_without_changing_them(gemv):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)  # each output is one thread's sum, in the same order
-
-
-def test_builds_are_keyed_by_the_cpu_instruction_sets(tmp_path):
-    avx2, avx512 = tmp_path / "avx2", tmp_path / "avx512"
-    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
-    avx512.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
-    assert cpu_key(avx2) != cpu_key(avx512)
-    assert cpu_key(avx2) == cpu_key(avx2) and len(cpu_key(avx2)) == 12
-    assert cpu_key(tmp_path / "missing")  # no /proc/cpuinfo: still a key

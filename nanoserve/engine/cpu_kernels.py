@@ -1,0 +1,71 @@
+"""nanoserve's C++ kernels for CPU (`engine/csrc/*.cpp`), compiled on first use on a machine.
+
+    int8_gemv   int8 weight-only products of decode steps (quantization/int8.py)
+    rms_norm    RMSNorm in one pass per row (layers/cpu_fused.py)
+    rotary      the rotary embedding in one pass per head (layers/cpu_fused.py)
+
+PyTorch's own ops are correct but, for a decode step's short rows, cost their dispatch rather
+than their arithmetic (and PyTorch's int8 kernel converts more slowly than memory delivers).
+The sources are compiled by `torch.utils.cpp_extension` with the host's C++ compiler, for this
+CPU (`-march=native`): about half a minute the first time a worker starts on a machine, then
+loaded from torch's extension cache (~/.cache/torch_extensions) in well under a second. The
+build's name carries a key of the CPU's instruction sets, so a home directory shared with
+another kind of CPU gets its own build. Without a compiler (or ninja), or with
+`NANOSERVE_CPU_KERNELS=0`, nothing is compiled and every caller keeps PyTorch's ops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import time
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger("nanoserve.cpu_kernels")
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = ("bindings.cpp", "fused_ops.cpp", "int8_gemv.cpp")
+# -ffp-contract=off: no a * b + c becomes one rounding, so fused_ops round as PyTorch does.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+
+def cpu_key(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """A short name for this CPU's instruction sets: `-march=native` builds are only reused on
+    a CPU with the same ones (a home directory may be shared between machines)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
+
+def kernels_enabled() -> bool:
+    """False when NANOSERVE_CPU_KERNELS=0 asks for PyTorch's ops only."""
+    return os.environ.get("NANOSERVE_CPU_KERNELS", "1") != "0"
+
+
+@cache
+def load_cpu_kernels() -> ModuleType | None:
+    """The compiled module (built on first use, then cached on disk), or None if it can't be."""
+    if not kernels_enabled():
+        return None
+    started = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(
+            name=f"nanoserve_cpu_kernels_{cpu_key()}",
+            sources=[str(SOURCE_DIR / name) for name in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as error:  # no compiler, no ninja, a compile error: PyTorch's ops
+        logger.warning("CPU kernels not built (%s); using PyTorch's ops", error)
+        return None
+    logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
+    return module

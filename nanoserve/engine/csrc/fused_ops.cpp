@@ -1,0 +1,104 @@
+// Elementwise steps of a decoder layer, each one pass over its rows instead of the 5-8 torch
+// ops (and as many dispatches and temporaries) the plain PyTorch code takes. On CPU a decode
+// step's rows are short (one token of 1024 values), so the plain ops cost their dispatch, not
+// their arithmetic: see nanoserve/engine/layers/cpu_fused.py.
+//
+// Both reproduce PyTorch's roundings exactly: bfloat16 inputs are computed in float32 and
+// rounded to bfloat16 wherever the plain ops round (so only the order of the float32 sum of
+// squares differs). Built with -ffp-contract=off: no a*b+c is fused into one rounding.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace {
+
+// Rows per thread below which a call stays on the calling thread (decode steps).
+constexpr int64_t GRAIN = 64;
+
+template <typename T>
+float to_float(T v) { return static_cast<float>(v); }
+
+// out = round(x / rms(x)) * weight, over one row of D values (the weight optional).
+template <typename T>
+void rms_norm_row(const T* x, const T* weight, T* out, int64_t D, float eps) {
+  float sum = 0.f;
+  for (int64_t d = 0; d < D; ++d) sum += to_float(x[d]) * to_float(x[d]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(D) + eps);
+  for (int64_t d = 0; d < D; ++d) {
+    const T normalized = static_cast<T>(to_float(x[d]) * inv);  // rounded to x's dtype
+    out[d] = weight ? static_cast<T>(to_float(normalized) * to_float(weight[d])) : normalized;
+  }
+}
+
+// out = x * cos + [x2, x1] * signed_sin over one head of D values, each product rounded.
+template <typename T>
+void rotary_row(const T* x, const T* cos, const T* sin, T* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const T swapped = d < half ? x[d + half] : x[d - half];
+    const T a = static_cast<T>(to_float(x[d]) * to_float(cos[d]));
+    const T b = static_cast<T>(to_float(swapped) * to_float(sin[d]));
+    out[d] = static_cast<T>(to_float(a) + to_float(b));
+  }
+}
+
+// [T, D] or [T, H, D] as [T, H, D] with each row of D contiguous (copied if it is not).
+at::Tensor as_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "expected [T, D] or [T, H, D]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "bfloat16 or float32 only");
+  const at::Tensor rows = x.dim() == 2 ? x.unsqueeze(1) : x;
+  return rows.stride(2) == 1 ? rows : rows.contiguous();
+}
+
+}  // namespace
+
+// input [T, D] or [T, H, D] (any T/H strides), weight [D] or None -> the input's shape.
+at::Tensor rms_norm(at::Tensor input, c10::optional<at::Tensor> weight, double eps) {
+  const at::Tensor x = as_rows(input);
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  auto out = at::empty(input.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* w = nullptr;
+    if (weight.has_value()) {
+      TORCH_CHECK(weight->is_contiguous() && weight->numel() == D && weight->scalar_type() == x.scalar_type());
+      w = weight->data_ptr<scalar_t>();
+    }
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t st = x.stride(0), sh = x.stride(1);
+    at::parallel_for(0, T * H, GRAIN, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t t = r / H, h = r % H;
+        rms_norm_row(xp + t * st + h * sh, w, op + r * D, D, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// x [T, H, D] (any T/H strides), cos and signed_sin [T, 1, D] contiguous -> [T, H, D].
+at::Tensor rotary(at::Tensor input, at::Tensor cos, at::Tensor signed_sin) {
+  TORCH_CHECK(input.dim() == 3, "expected [T, H, D]");
+  const at::Tensor x = as_rows(input);
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == T * D &&
+              signed_sin.numel() == T * D && cos.scalar_type() == x.scalar_type() &&
+              signed_sin.scalar_type() == x.scalar_type() && D % 2 == 0);
+  auto out = at::empty({T, H, D}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = signed_sin.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t st = x.stride(0), sh = x.stride(1);
+    at::parallel_for(0, T * H, GRAIN, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t t = r / H, h = r % H;
+        rotary_row(xp + t * st + h * sh, cp + t * D, sp + t * D, op + r * D, D);
+      }
+    });
+  });
+  return out;
+}

@@ -1,0 +1,34 @@
+"""Building and loading the C++ CPU kernels: keyed by the CPU, switched off by the environment."""
+
+from __future__ import annotations
+
+from nanoserve.engine import cpu_kernels
+from nanoserve.engine.cpu_kernels import cpu_key, load_cpu_kernels
+
+
+def test_builds_are_keyed_by_the_cpu_instruction_sets(tmp_path):
+    avx2, avx512 = tmp_path / "avx2", tmp_path / "avx512"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+    avx512.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    assert cpu_key(avx2) != cpu_key(avx512)
+    assert cpu_key(avx2) == cpu_key(avx2) and len(cpu_key(avx2)) == 12
+    assert cpu_key(tmp_path / "missing")  # no /proc/cpuinfo: still a key
+
+
+def test_the_kernels_build_here_and_expose_every_op():
+    kernels = load_cpu_kernels()  # the CI image has g++ and ninja
+    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
+    assert kernels.__name__ == f"nanoserve_cpu_kernels_{cpu_key()}"
+    for op in ("int8_gemv", "rms_norm", "rotary"):
+        assert callable(getattr(kernels, op))
+
+
+def test_the_environment_switches_them_off(monkeypatch):
+    load_cpu_kernels.cache_clear()
+    try:
+        monkeypatch.setenv("NANOSERVE_CPU_KERNELS", "0")
+        assert load_cpu_kernels() is None
+    finally:
+        load_cpu_kernels.cache_clear()
+    monkeypatch.delenv("NANOSERVE_CPU_KERNELS")
+    assert cpu_kernels.load_cpu_kernels() is not None
