@@ -68,6 +68,7 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous());
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "int8_gemv takes 1 to 8 rows");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(scales.numel() == N, "one scale per output row");
   auto xf = x.to(at::kFloat).contiguous();
   auto sf = scales.to(at::kFloat).contiguous();
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));

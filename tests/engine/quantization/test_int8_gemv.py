@@ -42,6 +42,13 @@ def test_gemv_refuses_more_rows_than_it_keeps_in_cache(gemv):
         gemv(x, quantized, scales.to(torch.bfloat16))
 
 
+def test_gemv_wants_one_scale_per_output_row(gemv):
+    quantized, scales = quantize_int8(torch.randn(8, 64))
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="one scale per output row"):
+        gemv(x, quantized, scales[:-1].to(torch.bfloat16))
+
+
 def test_gemv_splits_rows_across_threads_without_changing_them(gemv):
     quantized, scales = quantize_int8(torch.randn(4099, 256))
     scales = scales.to(torch.bfloat16)
