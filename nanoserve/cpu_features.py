@@ -14,15 +14,24 @@ from pathlib import Path
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
-@functools.cache
-def has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """True when the CPU has bfloat16 instructions (so bf16 is faster than float32 here)."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str] | None:
+    """The instruction-set flags the OS lists for the first CPU (x86 `flags`, Arm `Features`):
+    [] if it lists none, None where there is no such file (not Linux)."""
     try:
         text = cpuinfo.read_text(errors="replace")
-    except OSError:  # not Linux: Apple silicon has bf16 from M2 on; assume it elsewhere not
-        return platform.system() == "Darwin" and platform.machine() == "arm64"
+    except OSError:
+        return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
-            return not BF16_FLAGS.isdisjoint(value.split())
-    return False
+            return value.split()
+    return []
+
+
+@functools.cache
+def has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU has bfloat16 instructions (so bf16 is faster than float32 here)."""
+    flags = cpu_flags(cpuinfo)
+    if flags is None:  # not Linux: Apple silicon has bf16 from M2 on; assume it elsewhere not
+        return platform.system() == "Darwin" and platform.machine() == "arm64"
+    return not BF16_FLAGS.isdisjoint(flags)

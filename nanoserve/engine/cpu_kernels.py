@@ -25,6 +25,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+from nanoserve.cpu_features import cpu_flags
+
 logger = logging.getLogger("nanoserve.cpu_kernels")
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
@@ -36,11 +38,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 def cpu_key(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """A short name for this CPU's instruction sets: `-march=native` builds are only reused on
     a CPU with the same ones (a home directory may be shared between machines)."""
-    try:
-        lines = cpuinfo.read_text().splitlines()
-        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
+    flags = " ".join(cpu_flags(cpuinfo) or [])
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 

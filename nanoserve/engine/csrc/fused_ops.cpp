@@ -52,27 +52,34 @@ at::Tensor as_rows(const at::Tensor& x) {
   return rows.stride(2) == 1 ? rows : rows.contiguous();
 }
 
+// Calls fn(row index r = t * H + h, pointer to row (t, h) of x) for every row of x [T, H, D]
+// (rows contiguous, any T/H strides), split across threads above GRAIN rows.
+template <typename T, typename Fn>
+void for_each_row(const at::Tensor& x, Fn fn) {
+  const int64_t H = x.size(1), st = x.stride(0), sh = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, x.size(0) * H, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(r, xp + (r / H) * st + (r % H) * sh);
+  });
+}
+
 }  // namespace
 
 // input [T, D] or [T, H, D] (any T/H strides), weight [D] or None -> the input's shape.
 at::Tensor rms_norm(at::Tensor input, c10::optional<at::Tensor> weight, double eps) {
   const at::Tensor x = as_rows(input);
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  const int64_t D = x.size(2);
   auto out = at::empty(input.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* w = nullptr;
     if (weight.has_value()) {
-      TORCH_CHECK(weight->is_contiguous() && weight->numel() == D && weight->scalar_type() == x.scalar_type());
+      TORCH_CHECK(weight->is_contiguous() && weight->numel() == D &&
+                  weight->scalar_type() == x.scalar_type());
       w = weight->data_ptr<scalar_t>();
     }
-    const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t st = x.stride(0), sh = x.stride(1);
-    at::parallel_for(0, T * H, GRAIN, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t t = r / H, h = r % H;
-        rms_norm_row(xp + t * st + h * sh, w, op + r * D, D, static_cast<float>(eps));
-      }
+    for_each_row<scalar_t>(x, [&](int64_t r, const scalar_t* row) {
+      rms_norm_row(row, w, op + r * D, D, static_cast<float>(eps));
     });
   });
   return out;
@@ -88,16 +95,12 @@ at::Tensor rotary(at::Tensor input, at::Tensor cos, at::Tensor signed_sin) {
               signed_sin.scalar_type() == x.scalar_type() && D % 2 == 0);
   auto out = at::empty({T, H, D}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = signed_sin.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t st = x.stride(0), sh = x.stride(1);
-    at::parallel_for(0, T * H, GRAIN, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t t = r / H, h = r % H;
-        rotary_row(xp + t * st + h * sh, cp + t * D, sp + t * D, op + r * D, D);
-      }
+    for_each_row<scalar_t>(x, [&](int64_t r, const scalar_t* row) {
+      const int64_t t = r / H;
+      rotary_row(row, cp + t * D, sp + t * D, op + r * D, D);
     });
   });
   return out;
