@@ -4,6 +4,7 @@
     python -m benchmarks.cpu_defaults prefill     # one 1,500-token prompt, against a matmul probe
     python -m benchmarks.cpu_defaults auto-dtype  # a small float32 checkpoint: auto (bf16) vs fp32
     python -m benchmarks.cpu_defaults fused       # decode with fused norm/RoPE kernels and without
+    python -m benchmarks.cpu_defaults gemv        # the bf16 decode GEMV against oneDNN's product
 
 Arms that are compared run in one process, alternating round by round, so that a noisy machine
 shifts both; medians are printed. Random (dummy or seeded) weights, greedy decoding.
@@ -19,7 +20,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.bench.machine import measure_read_bandwidth_gb_s
-from nanoserve.engine.cpu_linear import pack, packed_linear
+from nanoserve.engine.cpu_linear import PackedLinearMethod, decode_gemv, pack, packed_linear
 from nanoserve.engine.layers.cpu_fused import use_fused_cpu_ops
 from nanoserve.testing import make_tiny_checkpoint
 
@@ -124,9 +125,57 @@ def measure_fused(rounds: int) -> None:
     print(f"median decode: plain {plain:.2f}, fused {fused:.2f} tok/s -> {fused / plain:.3f}x")
 
 
+def linear_pass_s(product, inputs: dict[int, torch.Tensor], weights: list) -> float:
+    """Seconds for one pass of `product` over every weight (the fastest of three)."""
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        for weight in weights:
+            product(inputs[weight.shape[1]], weight)
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def measure_gemv_products() -> None:
+    """1-8 tokens times the 0.6B shape's layer weights: the GEMV (plain) vs oneDNN (packed)."""
+    gemv = decode_gemv()
+    assert gemv is not None, "the bf16 GEMV is not built for this CPU"
+    shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # [out, in] per layer
+    plain = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(28) for shape in shapes]
+    packed = [pack(weight) for weight in plain]
+    gigabytes = 2 * LINEAR_PARAMS_06B / 1e9
+    for rows in range(1, 9):
+        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (1024, 2048, 3072)}
+        onednn = linear_pass_s(lambda x, w: packed_linear(x, w, None), inputs, packed)
+        ours = linear_pass_s(gemv, inputs, plain)
+        print(f"{rows} rows: oneDNN packed {gigabytes / onednn:.1f} GB/s, GEMV "
+              f"{gigabytes / ours:.1f} GB/s -> {onednn / ours:.2f}x")  # fmt: skip
+
+
+def measure_gemv(rounds: int) -> None:
+    """The products, then one model decoding with the GEMV and without, round by round."""
+    measure_gemv_products()
+    llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
+    method = next(
+        m.method for m in llm.engine.runner.model.modules()
+        if isinstance(getattr(m, "method", None), PackedLinearMethod)
+    )  # fmt: skip
+    gemv = method.gemv
+    results: dict[str, list[float]] = {"packed": [], "gemv": []}
+    for r in range(rounds):
+        for name in results:
+            method.gemv = gemv if name == "gemv" else None
+            results[name].append(decode_tok_s(llm, [r * 7 + 3, *range(100, 146)], 32))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} tok/s" for k, v in results.items()))
+    packed, ours = median(results["packed"]), median(results["gemv"])
+    bandwidth, _ = measure_read_bandwidth_gb_s(torch.get_num_threads())
+    print(f"median decode: packed {packed:.2f}, gemv {ours:.2f} tok/s -> {ours / packed:.3f}x; "
+          f"read bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("measure", choices=["int8", "prefill", "auto-dtype", "fused"])
+    parser.add_argument("measure", choices=["int8", "prefill", "auto-dtype", "fused", "gemv"])
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: 4)")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="prefill (default: 1500)")
     args = parser.parse_args()
@@ -137,6 +186,8 @@ def main() -> None:
         measure_prefill(args.prompt_tokens, runs=3)
     elif args.measure == "fused":
         measure_fused(args.rounds)
+    elif args.measure == "gemv":
+        measure_gemv(args.rounds)
     else:
         measure_auto_dtype(args.rounds)
 

@@ -19,7 +19,7 @@ def test_the_kernels_build_here_and_expose_every_op():
     kernels = load_cpu_kernels()  # the CI image has g++ and ninja
     assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
     assert kernels.__name__ == f"nanoserve_cpu_kernels_{cpu_key()}"
-    for op in ("int8_gemv", "rms_norm", "rotary"):
+    for op in ("int8_gemv", "bf16_gemv", "bf16_gemv_is_vectorized", "rms_norm", "rotary"):
         assert callable(getattr(kernels, op))
 
 

@@ -3,7 +3,7 @@
 Decoding one token streams every weight once, so half of bf16's bytes is up to ~2× the speed
 where memory bandwidth bounds the step. Activations stay in the model's dtype. On CPU, decode
 steps (up to `MAX_ROWS` tokens of bf16) take our compiled weight-streaming GEMV
-(`csrc/int8_gemv.cpp`, see `cpu_kernels`): PyTorch's `aten._weight_int8pack_mm` converts more
+(`csrc/gemv.cpp`, see `cpu_kernels`): PyTorch's `aten._weight_int8pack_mm` converts more
 slowly than memory delivers, so with it int8 barely beats packed bf16 (it stays the fallback
 where our kernels could not be built). Everything else (prefills, which are compute-bound,
 other dtypes, GPUs) multiplies by the weight widened to the activations' dtype, which int8

@@ -1,4 +1,4 @@
-"""The compiled int8 GEMV (csrc/int8_gemv.cpp): its products against float32 and PyTorch's."""
+"""The compiled int8 GEMV (csrc/gemv.cpp): its products against float32 and PyTorch's."""
 
 from __future__ import annotations
 
