@@ -5,6 +5,7 @@
     python -m benchmarks.cpu_defaults auto-dtype  # a small float32 checkpoint: auto (bf16) vs fp32
     python -m benchmarks.cpu_defaults fused       # decode with fused norm/RoPE kernels and without
     python -m benchmarks.cpu_defaults gemv        # the bf16 decode GEMV against oneDNN's product
+    python -m benchmarks.cpu_defaults attention   # decode attention: our kernel against eager
 
 Arms that are compared run in one process, alternating round by round, so that a noisy machine
 shifts both; medians are printed. Random (dummy or seeded) weights, greedy decoding.
@@ -20,6 +21,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.bench.machine import measure_read_bandwidth_gb_s
+from nanoserve.engine.attention.eager import decode_group_attention
 from nanoserve.engine.cpu_linear import PackedLinearMethod, decode_gemv, pack, packed_linear
 from nanoserve.engine.layers.cpu_fused import use_fused_cpu_ops
 from nanoserve.testing import make_tiny_checkpoint
@@ -34,9 +36,10 @@ def median(values: list[float]) -> float:
 
 
 def decode_tok_s(llm: LLM, prompt: list[int], num_tokens: int) -> float:
-    """Tokens per second of decoding alone: a full request minus its one-token prefill."""
+    """Tokens per second of decoding alone: a full request minus a one-token prefill (of
+    another first token, so that neither run finds the other's blocks in the prefix cache)."""
     started = time.perf_counter()
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    llm.generate([[prompt[0] + 1, *prompt[1:]]], SamplingParams(temperature=0, max_tokens=1))
     prefill_s = time.perf_counter() - started
     started = time.perf_counter()
     params = SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True)
@@ -173,9 +176,28 @@ def measure_gemv(rounds: int) -> None:
           f"read bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
 
 
+def measure_decode_attention(rounds: int) -> None:
+    """One model, decode attention by our kernel and by the eager path, round by round, after
+    a short and a long prompt."""
+    llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=2048)
+    backend = llm.engine.runner.attention_backend
+    kernel = backend.attend_decodes
+    for context in (46, 1000):
+        results: dict[str, list[float]] = {"eager": [], "kernel": []}
+        for r in range(rounds):
+            for name in results:
+                backend.attend_decodes = kernel if name == "kernel" else decode_group_attention
+                prompt = [r * 7 + 3, *range(100, 100 + context)]
+                results[name].append(decode_tok_s(llm, prompt, 32))
+        eager, ours = median(results["eager"]), median(results["kernel"])
+        print(f"{context + 1}-token prompt, median decode: eager {eager:.2f}, kernel "
+              f"{ours:.2f} tok/s -> {ours / eager:.2f}x (rounds: {results})")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("measure", choices=["int8", "prefill", "auto-dtype", "fused", "gemv"])
+    measures = ["int8", "prefill", "auto-dtype", "fused", "gemv", "attention"]
+    parser.add_argument("measure", choices=measures)
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: 4)")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="prefill (default: 1500)")
     args = parser.parse_args()
@@ -188,6 +210,8 @@ def main() -> None:
         measure_fused(args.rounds)
     elif args.measure == "gemv":
         measure_gemv(args.rounds)
+    elif args.measure == "attention":
+        measure_decode_attention(args.rounds)
     else:
         measure_auto_dtype(args.rounds)
 

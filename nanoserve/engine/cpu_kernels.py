@@ -1,9 +1,11 @@
 """nanoserve's C++ kernels for CPU (`engine/csrc/*.cpp`), compiled on first use on a machine.
 
-    int8_gemv   int8 weight-only products of decode steps (quantization/int8.py)
-    bf16_gemv   bf16 products of decode steps, streaming the plain weight (cpu_linear.py)
-    rms_norm    RMSNorm in one pass per row (layers/cpu_fused.py)
-    rotary      the rotary embedding in one pass per head (layers/cpu_fused.py)
+    int8_gemv               int8 weight-only products of decode steps (quantization/int8.py)
+    bf16_gemv               bf16 products of decode steps, from the plain weight (cpu_linear.py)
+    paged_decode_attention  decode steps' attention, read in place from the paged KV cache
+                            (attention/cpu_kernel.py)
+    rms_norm                RMSNorm in one pass per row (layers/cpu_fused.py)
+    rotary                  the rotary embedding in one pass per head (layers/cpu_fused.py)
 
 PyTorch's own ops are correct but, for a decode step's short rows, cost their dispatch rather
 than their arithmetic (and PyTorch's int8 kernel converts more slowly than memory delivers).
@@ -31,7 +33,7 @@ from nanoserve.cpu_features import cpu_flags
 logger = logging.getLogger("nanoserve.cpu_kernels")
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "fused_ops.cpp", "gemv.cpp")
+SOURCES = ("bindings.cpp", "decode_attention.cpp", "fused_ops.cpp", "gemv.cpp")
 # -ffp-contract=off: no a * b + c becomes one rounding, so fused_ops round as PyTorch does.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 

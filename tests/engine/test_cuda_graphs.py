@@ -85,7 +85,7 @@ def test_cpu_engines_capture_no_graphs(tmp_path):
     engine = Engine(
         EngineConfig(model=str(make_tiny_checkpoint(tmp_path)), device="cpu", max_model_len=64)
     )
-    assert engine.runner.graph_runner is None and engine.runner.attention_backend.name == "eager"
+    assert engine.runner.graph_runner is None and engine.runner.attention_backend.name == "cpu"
 
 
 @pytest.mark.gpu

@@ -8,11 +8,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from nanoserve.engine.attention.layer import AttentionBackend
 from nanoserve.engine.attention.metadata import AttentionMetadata
+
+# (query [B, H, D], k_cache, v_cache, meta, scale) -> [B, H, D]: how decode tokens attend.
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+]
 
 
 class EagerAttention(AttentionBackend):
@@ -31,7 +38,18 @@ class EagerAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale, new_kv=(k, v))
+        return paged_attention(q, k_cache, v_cache, meta, scale, (k, v), self.attend_decodes)
+
+    def attend_decodes(
+        self,
+        query: torch.Tensor,  # [B, H, D]: one query token per request
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [B, H, D]
+        """How a step's decode tokens attend (subclasses may bring a kernel)."""
+        return decode_group_attention(query, k_cache, v_cache, meta, scale)
 
 
 def write_kv(
@@ -54,22 +72,24 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's [T, Hkv, D] K and V
+    attend_decodes: DecodeAttention | None = None,  # default: decode_group_attention
 ) -> torch.Tensor:  # [T, H, D]
     """Attend every query token over its request's context in the pool.
 
     `new_kv` (already written to the pool) lets a prompt with no cached prefix, whose context
     is exactly its own new tokens, attend over them without gathering them back.
     """
+    attend_decodes = attend_decodes or decode_group_attention
     if meta.parts is not None:
         decode, prompt = meta.parts
         n = meta.num_decode_tokens
         prompt_kv = None if new_kv is None else (new_kv[0][n:], new_kv[1][n:])
         return torch.cat([
-            paged_attention(query[:n], k_cache, v_cache, decode, scale),
-            paged_attention(query[n:], k_cache, v_cache, prompt, scale, prompt_kv),
+            attend_decodes(query[:n], k_cache, v_cache, decode, scale),
+            prompt_attention(query[n:], k_cache, v_cache, prompt, scale, prompt_kv),
         ])  # fmt: skip
     if meta.is_decode_only:
-        return decode_group_attention(query, k_cache, v_cache, meta, scale)
+        return attend_decodes(query, k_cache, v_cache, meta, scale)
     return prompt_attention(query, k_cache, v_cache, meta, scale, new_kv)
 
 

@@ -8,8 +8,10 @@ import logging
 import torch
 
 from nanoserve.engine.attention.cpu import CompiledCpuAttention
+from nanoserve.engine.attention.cpu_kernel import CpuKernelAttention
 from nanoserve.engine.attention.eager import EagerAttention
 from nanoserve.engine.attention.layer import AttentionBackend
+from nanoserve.engine.cpu_kernels import load_cpu_kernels
 
 logger = logging.getLogger("nanoserve.attention")
 
@@ -23,7 +25,8 @@ def select_attention_backend(
     compile_decode: bool = False,
     enforce_eager: bool = False,
 ) -> AttentionBackend:
-    """Triton on CUDA, the compiled CPU path with `compile_decode`, else the eager reference.
+    """Triton on CUDA; on CPU the compiled path with `compile_decode`, else the eager backend
+    with our C++ decode kernel (the plain eager reference where the kernels are not built).
 
     `enforce_eager` (no CUDA graphs, no torch.compile) keeps the Triton kernels, as vLLM keeps
     its attention backend: it changes how kernels are launched, not which.
@@ -41,7 +44,8 @@ def select_attention_backend(
         )
     if compile_decode and device.type == "cpu" and not enforce_eager:
         return CompiledCpuAttention()
-    return EagerAttention()
+    kernels = load_cpu_kernels() if device.type == "cpu" else None
+    return EagerAttention() if kernels is None else CpuKernelAttention(kernels)
 
 
 def _triton_usable(block_size: int) -> bool:

@@ -7,7 +7,8 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.attention.cpu import CompiledCpuAttention, decode_attention
-from nanoserve.engine.attention.eager import EagerAttention, paged_attention
+from nanoserve.engine.attention.cpu_kernel import CpuKernelAttention
+from nanoserve.engine.attention.eager import paged_attention
 from nanoserve.engine.attention.metadata import build_attention_metadata
 from nanoserve.engine.engine import Engine
 from nanoserve.sampling_params import SamplingParams
@@ -49,7 +50,7 @@ def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
             )
         )
         assert (engine.runner.compiled_model is None) == eager
-        backend = EagerAttention if eager else CompiledCpuAttention
+        backend = CpuKernelAttention if eager else CompiledCpuAttention
         assert type(engine.runner.attention_backend) is backend
         tokens: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}
         for i, prompt in enumerate(batch):

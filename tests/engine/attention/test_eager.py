@@ -1,4 +1,5 @@
-"""The eager attention backend against attention written out the long way, in float64."""
+"""The eager attention backend (and the CPU one, whose decodes take our C++ kernel) against
+attention written out the long way, in float64."""
 
 import math
 import random
@@ -6,8 +7,10 @@ import random
 import pytest
 import torch
 
+from nanoserve.engine.attention.cpu_kernel import CpuKernelAttention
 from nanoserve.engine.attention.eager import EagerAttention
 from nanoserve.engine.attention.metadata import build_attention_metadata
+from nanoserve.engine.cpu_kernels import load_cpu_kernels
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 4, 2, 8
 
@@ -31,8 +34,9 @@ def naive_attention(query, keys, values, query_positions, scale):
     return out
 
 
+@pytest.mark.parametrize("backend", ["eager", "cpu"])
 @pytest.mark.parametrize("seed", range(4))
-def test_mixed_steps_match_naive_attention(seed):
+def test_mixed_steps_match_naive_attention(seed, backend):
     """Decodes, fresh prompts, chunks after a cached prefix and fully cached prompts, mixed."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -71,7 +75,8 @@ def test_mixed_steps_match_naive_attention(seed):
     new_k = torch.cat([k[len(k) - n :] for k, n in zip(full_keys, query_lens, strict=True)])
     new_v = torch.cat([v[len(v) - n :] for v, n in zip(full_values, query_lens, strict=True)])
     query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM)
-    got = EagerAttention().forward(query, new_k, new_v, k_cache, v_cache, meta, 0.35)
+    attention = EagerAttention() if backend == "eager" else CpuKernelAttention(load_cpu_kernels())
+    got = attention.forward(query, new_k, new_v, k_cache, v_cache, meta, 0.35)
 
     start = 0
     for keys, values, positions in zip(full_keys, full_values, query_positions, strict=True):

@@ -63,12 +63,25 @@ def test_engine_quantizes_every_linear_and_keeps_the_lm_head_when_asked(checkpoi
     assert isinstance(model.model.layers[0].mlp.down_proj.method, Int8LinearMethod)
 
 
-def test_int8_greedy_tokens_mostly_agree_with_bf16(checkpoint):
+def clear_steps(logprobs: list[dict], margin: float) -> int:
+    """How many first steps have a top token ahead of the next by more than `margin` nats."""
+    for step, candidates in enumerate(logprobs):
+        top_two = sorted((lp.logprob for lp in candidates.values()), reverse=True)[:2]
+        if top_two[0] - top_two[1] <= margin:
+            return step
+    return len(logprobs)
+
+
+def test_int8_greedy_tokens_agree_with_bf16_until_a_near_tie(checkpoint):
     prompts = [[5, 17, 99, 3], [250, 42, 7, 8, 9, 11], [100] * 12]
-    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, logprobs=2)
     bf16 = LLM(str(checkpoint), dtype="bfloat16", max_model_len=128)
     int8 = LLM(str(checkpoint), dtype="bfloat16", max_model_len=128, quantization="int8")
-    reference = [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
+    reference = [o.outputs[0] for o in bf16.generate(prompts, params)]
     ours = [o.outputs[0].token_ids for o in int8.generate(prompts, params)]
-    # The first tokens are the same; later ones may part where int8 rounding flips a near-tie.
-    assert [t[:4] for t in ours] == [t[:4] for t in reference]
+    # int8 rounding moves logits by a few hundredths of a nat in this random model: the tokens
+    # are the same up to the first step whose top two are closer than that (a near-tie).
+    clear = [clear_steps(out.logprobs, margin=0.05) for out in reference]
+    assert sum(clear) >= 24  # the comparison covers at least a third of the 72 steps
+    for tokens, out, steps in zip(ours, reference, clear, strict=True):
+        assert tokens[:steps] == out.token_ids[:steps]
