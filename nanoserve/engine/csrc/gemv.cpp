@@ -12,7 +12,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <ATen/Dispatch.h>
+
 #include <type_traits>
+#include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -91,16 +94,33 @@ static void bf16_row_dot(const at::BFloat16* x, const at::BFloat16* w, int64_t K
       sums[m] += static_cast<float>(x[m * K + k]) * static_cast<float>(w[k]);
 }
 
-// out [M, N] float32: out[m, n] = sums[m] of row_dot(n, sums); rows n split across threads.
-template <int M, typename RowDot>
-static void gemv(int64_t N, float* out, const RowDot& row_dot) {
+// out [M, N]: out[m, n] = sums[m] of row_dot(n, sums), rounded once to Out; rows n split
+// across threads.
+template <int M, typename Out, typename RowDot>
+static void gemv(int64_t N, Out* out, const RowDot& row_dot) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float sums[M];
     for (int64_t n = begin; n < end; ++n) {
       row_dot(n, sums);
-      for (int m = 0; m < M; ++m) out[m * N + n] = sums[m];
+      for (int m = 0; m < M; ++m) out[m * N + n] = static_cast<Out>(sums[m]);
     }
   });
+}
+
+// A tensor's values as float32 (activations and scales are small next to the weights).
+template <typename T>
+static void append_floats(const at::Tensor& t, std::vector<float>& values) {
+  const T* p = t.data_ptr<T>();
+  for (int64_t i = 0; i < t.numel(); ++i) values.push_back(static_cast<float>(p[i]));
+}
+
+static std::vector<float> as_floats(const at::Tensor& tensor) {
+  const at::Tensor t = tensor.contiguous();
+  std::vector<float> values;
+  values.reserve(t.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t.scalar_type(), "as_floats",
+                                  [&] { append_floats<scalar_t>(t, values); });
+  return values;
 }
 
 // Calls body(std::integral_constant<int, M>) for M in 1..8, so each row count gets its own
@@ -126,20 +146,19 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(scales.numel() == N, "one scale per output row");
-  auto xf = x.to(at::kFloat).contiguous();
-  auto sf = scales.to(at::kFloat).contiguous();
-  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
+  const std::vector<float> xf = as_floats(x), sf = as_floats(scales);
+  auto out = at::empty({M, N}, x.options());
   const int8_t* wp = weight.data_ptr<int8_t>();
-  const float* sp = sf.data_ptr<float>();
   with_rows(M, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
-    gemv<R>(N, out.data_ptr<float>(), [&](int64_t n, float* sums) {
-      int8_row_dot<R>(xp, wp + n * K, K, sums);
-      for (int m = 0; m < R; ++m) sums[m] *= sp[n];
-    });
+    const auto row_dot = [&](int64_t n, float* sums) {
+      int8_row_dot<R>(xf.data(), wp + n * K, K, sums);
+      for (int m = 0; m < R; ++m) sums[m] *= sf[n];
+    };
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int8_gemv",
+                                    [&] { gemv<R>(N, out.data_ptr<scalar_t>(), row_dot); });
   });
-  return out.to(x.scalar_type());
+  return out;
 }
 
 // True when bf16_gemv runs on AVX512-BF16 instructions (otherwise a plain loop: slow).
@@ -158,13 +177,13 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(weight.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   auto xc = x.contiguous();
-  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto out = at::empty({M, N}, x.options());
   const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
   with_rows(M, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
-    gemv<R>(N, out.data_ptr<float>(),
+    gemv<R>(N, out.data_ptr<at::BFloat16>(),
             [&](int64_t n, float* sums) { bf16_row_dot<R>(xp, wp + n * K, K, sums); });
   });
-  return out.to(at::kBFloat16);
+  return out;
 }
