@@ -22,6 +22,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse and check `nanoserve bench` arguments; `--workload all` becomes every workload."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.workload = args.workload or ["scoreboard"]
     if "all" in args.workload:
         args.workload = list(workloads.WORKLOADS)
     args.workload = list(dict.fromkeys(args.workload))
@@ -49,9 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workload",
         nargs="+",
-        default=["scoreboard"],
+        action="extend",
         choices=[*workloads.WORKLOADS, "all"],
-        help="one or more workloads; each writes its own results directory",
+        help="one or more workloads, in one flag or repeated; each writes its own results "
+        "directory (default: scoreboard)",
     )
     p.add_argument(
         "--arm",

@@ -36,6 +36,9 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "decode_attention.cpp", "fused_ops.cpp", "gemv.cpp")
 # -ffp-contract=off: no a * b + c becomes one rounding, so fused_ops round as PyTorch does.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# A build takes about a minute. A lock file much older than that was left by a build that was
+# killed (say, Ctrl-C during a first start), and torch would wait for it to go away forever.
+STALE_LOCK_S = 600.0
 
 
 def cpu_key(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -50,6 +53,20 @@ def kernels_enabled() -> bool:
     return os.environ.get("NANOSERVE_CPU_KERNELS", "1") != "0"
 
 
+def remove_stale_build_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Delete `build_dir`/lock if it is older than STALE_LOCK_S; True if it was."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False  # another process may be building right now
+    logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @cache
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled module (built on first use, then cached on disk), or None if it can't be."""
@@ -57,10 +74,12 @@ def load_cpu_kernels() -> ModuleType | None:
         return None
     started = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        name = f"nanoserve_cpu_kernels_{cpu_key()}"
+        remove_stale_build_lock(Path(_get_build_directory(name, verbose=False)))
         module = load(
-            name=f"nanoserve_cpu_kernels_{cpu_key()}",
+            name=name,
             sources=[str(SOURCE_DIR / name) for name in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],

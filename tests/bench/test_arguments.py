@@ -22,6 +22,12 @@ def test_all_workloads_and_concurrency_levels():
     assert args.concurrency == [1, 4, 16]
 
 
+def test_workloads_add_up_across_repeated_flags():
+    assert parse_args([]).workload == ["scoreboard"]
+    args = parse_args(["--workload", "scoreboard", "--workload", "autocomplete", "scoreboard"])
+    assert args.workload == ["scoreboard", "autocomplete"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

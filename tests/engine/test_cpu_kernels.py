@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from nanoserve.engine import cpu_kernels
-from nanoserve.engine.cpu_kernels import cpu_key, load_cpu_kernels
+from nanoserve.engine.cpu_kernels import (
+    STALE_LOCK_S,
+    cpu_key,
+    load_cpu_kernels,
+    remove_stale_build_lock,
+)
 
 
 def test_builds_are_keyed_by_the_cpu_instruction_sets(tmp_path):
@@ -32,3 +37,14 @@ def test_the_environment_switches_them_off(monkeypatch):
         load_cpu_kernels.cache_clear()
     monkeypatch.delenv("NANOSERVE_CPU_KERNELS")
     assert cpu_kernels.load_cpu_kernels() is not None
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    lock = tmp_path / "lock"
+    assert not remove_stale_build_lock(tmp_path)  # no lock
+    lock.touch()
+    made = lock.stat().st_mtime
+    assert not remove_stale_build_lock(tmp_path, now=made + 30)  # a build may be running
+    assert lock.exists()
+    assert remove_stale_build_lock(tmp_path, now=made + STALE_LOCK_S + 1)
+    assert not lock.exists()
