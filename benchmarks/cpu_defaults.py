@@ -116,16 +116,24 @@ def measure_auto_dtype(rounds: int) -> None:
 
 
 def measure_fused(rounds: int) -> None:
-    """One model, the fused CPU kernels switched on and off round by round."""
+    """One model, the fused CPU kernels switched on and off round by round: decode, then a
+    71-token prefill (a fresh prompt each time)."""
     llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
     results: dict[str, list[float]] = {"plain ops": [], "fused": []}
+    prefill_ms: dict[str, list[float]] = {"plain ops": [], "fused": []}
     for r in range(rounds):
         for name in results:
             use_fused_cpu_ops(name == "fused")
             results[name].append(decode_tok_s(llm, [r * 7 + 3, *range(100, 146)], 32))
+            started = time.perf_counter()
+            prompt = [5000 + r * 2 + len(name), *range(200, 270)]
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+            prefill_ms[name].append((time.perf_counter() - started) * 1e3)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} tok/s" for k, v in results.items()))
     plain, fused = median(results["plain ops"]), median(results["fused"])
     print(f"median decode: plain {plain:.2f}, fused {fused:.2f} tok/s -> {fused / plain:.3f}x")
+    plain, fused = median(prefill_ms["plain ops"]), median(prefill_ms["fused"])
+    print(f"median 71-token prefill: plain {plain:.1f}, fused {fused:.1f} ms")
 
 
 def linear_pass_s(product, inputs: dict[int, torch.Tensor], weights: list) -> float:

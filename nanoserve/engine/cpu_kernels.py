@@ -48,6 +48,15 @@ def cpu_key(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
+def headers_key() -> str:
+    """A hash of csrc's headers: torch rebuilds when a source or a flag changes, not a header,
+    so the build's flags carry this."""
+    digest = hashlib.sha256()
+    for header in sorted(SOURCE_DIR.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def kernels_enabled() -> bool:
     """False when NANOSERVE_CPU_KERNELS=0 asks for PyTorch's ops only."""
     return os.environ.get("NANOSERVE_CPU_KERNELS", "1") != "0"
@@ -81,7 +90,7 @@ def load_cpu_kernels() -> ModuleType | None:
         module = load(
             name=name,
             sources=[str(SOURCE_DIR / name) for name in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=[*CFLAGS, f"-DNANOSERVE_HEADERS={headers_key()}"],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as error:  # no compiler, no ninja, a compile error: PyTorch's ops

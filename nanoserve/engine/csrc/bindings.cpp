@@ -7,6 +7,7 @@ bool bf16_gemv_is_vectorized();
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> weight, double eps);
+at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor signed_sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -16,5 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per request attending over its paged K/V context");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [T, H, D], weight optional");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] (gate, then up) -> [T, I]");
   m.def("rotary", &rotary, "neox-style rotary embedding of [T, H, D] by [T, 1, D] cos/sin");
 }

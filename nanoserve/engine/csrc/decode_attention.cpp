@@ -14,18 +14,8 @@
 #include <cmath>
 #include <limits>
 #include <vector>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
-#ifdef __AVX512F__
-// 16 values widened to float32 (a bf16 is the top half of a float32).
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
-#endif
+#include "simd.h"
 
 // How many keys ahead a task asks for the next K/V rows: one task's rows lie a whole slot
 // (all KV heads) apart, too far apart for the hardware prefetcher to follow.

@@ -3,13 +3,18 @@
 // step's rows are short (one token of 1024 values), so the plain ops cost their dispatch, not
 // their arithmetic: see nanoserve/engine/layers/cpu_fused.py.
 //
-// Both reproduce PyTorch's roundings exactly: bfloat16 inputs are computed in float32 and
-// rounded to bfloat16 wherever the plain ops round (so only the order of the float32 sum of
-// squares differs). Built with -ffp-contract=off: no a*b+c is fused into one rounding.
+// They reproduce PyTorch's roundings: bfloat16 inputs are computed in float32 and rounded to
+// bfloat16 wherever the plain ops round (so RMSNorm differs only in the order of the float32
+// sum of squares, and silu_mul only in its exp, within about an ulp of PyTorch's). Built with
+// -ffp-contract=off: no a*b+c is fused into one rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
+
+#include "simd.h"
 
 namespace {
 
@@ -40,6 +45,43 @@ void rotary_row(const T* x, const T* cos, const T* sin, T* out, int64_t D) {
     const T a = static_cast<T>(to_float(x[d]) * to_float(cos[d]));
     const T b = static_cast<T>(to_float(swapped) * to_float(sin[d]));
     out[d] = static_cast<T>(to_float(a) + to_float(b));
+  }
+}
+
+#ifdef __AVX512F__
+// exp(x) of 16 floats: x = n ln2 + r (|r| <= ln2 / 2), exp(x) = 2^n e^r with e^r by its
+// Taylor series to r^7 (about an ulp, as the Sleef expf behind PyTorch's vectorized silu).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);  // p * 2^n: inf above, 0 below float's range
+}
+#endif
+
+// out = round(round(silu(gate)) * up) over one row of I values (gate and up side by side).
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
+  int64_t i = 0;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    for (; i + 16 <= I; i += 16) {
+      const __m512 g = load16(gate + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));  // exp(-g)
+      const __m512 silu = round_to(out, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      store16(out + i, _mm512_mul_ps(silu, load16(up + i)));
+    }
+  }
+#endif
+  for (; i < I; ++i) {  // the tail (all of it without AVX512-BF16)
+    const float g = to_float(gate[i]);
+    const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
+    out[i] = static_cast<T>(to_float(silu) * to_float(up[i]));
   }
 }
 
@@ -80,6 +122,21 @@ at::Tensor rms_norm(at::Tensor input, c10::optional<at::Tensor> weight, double e
     scalar_t* op = out.data_ptr<scalar_t>();
     for_each_row<scalar_t>(x, [&](int64_t r, const scalar_t* row) {
       rms_norm_row(row, w, op + r * D, D, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// gate_up [T, 2I] (gate, then up; any T stride) -> silu(gate) * up [T, I].
+at::Tensor silu_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "expected [T, 2I]");
+  const at::Tensor x = as_rows(gate_up);
+  const int64_t I = x.size(2) / 2;
+  auto out = at::empty({x.size(0), I}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_mul", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_each_row<scalar_t>(x, [&](int64_t r, const scalar_t* row) {
+      silu_mul_row(row, row + I, op + r * I, I);
     });
   });
   return out;

@@ -1,4 +1,5 @@
-"""Fused CPU versions of RMSNorm and the rotary embedding, used by eager CPU steps.
+"""Fused CPU versions of RMSNorm, the rotary embedding and SwiGLU's silu(gate) * up, used by
+eager CPU steps.
 
 A decode step's RMSNorm is 7 PyTorch ops over one row of 1024 values (cast, square, mean, add,
 rsqrt, multiply, cast back, then the weight), and rotating q and k takes 5 more each: at a few
@@ -6,9 +7,9 @@ microseconds of dispatch apiece, ~200 µs per layer of a step that streams ~30 M
 `csrc/fused_ops.cpp` computes each in one pass with PyTorch's roundings (see `cpu_kernels`).
 
 The model runner turns them on for a CPU model (`use_fused_cpu_ops`); `fused_ops_for(x)` then
-hands the kernels to `norm.py` and `rotary.py` for CPU tensors of bf16 or float32 outside
-torch.compile (inductor fuses those ops itself). Elsewhere, or when the kernels could not be
-built, the plain ops run.
+hands the kernels to `norm.py`, `rotary.py` and the models' MLP for CPU tensors of bf16 or
+float32 outside torch.compile (inductor fuses those ops itself). Elsewhere, or when the
+kernels could not be built, the plain ops run.
 """
 
 from __future__ import annotations

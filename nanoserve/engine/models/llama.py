@@ -31,6 +31,7 @@ from nanoserve.config import ModelConfig
 from nanoserve.engine.attention.layer import PagedAttention
 from nanoserve.engine.attention.metadata import AttentionMetadata
 from nanoserve.engine.distributed.parallel import TensorParallel
+from nanoserve.engine.layers.cpu_fused import fused_ops_for
 from nanoserve.engine.layers.linear import (
     MergedColumnLinear,
     OutputPart,
@@ -125,7 +126,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate / N] each
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate / N]: gate, then up
+        fused = fused_ops_for(gate_up)
+        if fused is not None and gate_up.dim() == 2:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate / N] each
         return self.down_proj(F.silu(gate) * up)
 
 

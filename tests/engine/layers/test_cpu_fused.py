@@ -1,13 +1,18 @@
-"""The fused CPU RMSNorm and RoPE kernels against the plain PyTorch ops they replace."""
+"""The fused CPU RMSNorm, RoPE and SwiGLU kernels against the plain PyTorch ops they replace."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
 
+from nanoserve.engine.distributed.parallel import TensorParallel
 from nanoserve.engine.layers.cpu_fused import fused_ops_for, use_fused_cpu_ops
 from nanoserve.engine.layers.norm import RMSNorm, rms_normalize
 from nanoserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from nanoserve.engine.models.llama import LlamaMLP
 
 
 @pytest.fixture
@@ -66,6 +71,37 @@ def test_rotary_matches_the_plain_ops(toggle, tokens, dtype):
     q = torch.randn(tokens, 24, 128).to(dtype)[:, 8:]  # [T, 16, D], a strided view
     plain, fused = toggle(lambda: apply_rotary(q, cos, signed_sin))
     assert torch.equal(fused, plain)  # two rounded products and their rounded sum, as torch
+
+
+# 1 token, 300 (rows split across threads); 3075 intermediate values: a tail past 16 lanes.
+@pytest.mark.parametrize("tokens", [1, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_matches_the_plain_ops(tokens, dtype):
+    torch.manual_seed(tokens)
+    gate_up = (4 * torch.randn(tokens, 2 * 3075)).to(dtype)  # [T, 2I]: gate, then up
+    gate, up = gate_up.chunk(2, dim=-1)
+    plain = F.silu(gate) * up  # [T, I]
+    assert use_fused_cpu_ops(True), "the CPU kernels did not build"
+    try:
+        fused = fused_ops_for(gate_up).silu_mul(gate_up)
+    finally:
+        use_fused_cpu_ops(False)
+    assert fused.shape == plain.shape and fused.dtype == plain.dtype
+    if dtype == torch.bfloat16:  # silu rounded, then the product: PyTorch's two roundings
+        assert (fused != plain).float().mean() < 1e-3
+        torch.testing.assert_close(fused, plain, rtol=2**-7, atol=0)
+    else:  # our exp is within about an ulp of PyTorch's
+        torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_the_mlp_takes_the_fused_silu_mul(toggle):
+    torch.manual_seed(0)
+    config = SimpleNamespace(hidden_size=64, intermediate_size=160)  # what the MLP reads
+    mlp = LlamaMLP(config, TensorParallel()).to(torch.bfloat16)
+    for parameter in mlp.parameters():
+        parameter.data.normal_(0, 0.2)
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    assert_same(*toggle(lambda: mlp(x)))
 
 
 def test_the_kernels_stay_out_of_other_dtypes_and_when_off(toggle):
