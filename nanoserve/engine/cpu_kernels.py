@@ -6,6 +6,7 @@
                             (attention/cpu_kernel.py)
     rms_norm                RMSNorm in one pass per row (layers/cpu_fused.py)
     rotary                  the rotary embedding in one pass per head (layers/cpu_fused.py)
+    silu_mul                SwiGLU's silu(gate) * up in one pass per row (layers/cpu_fused.py)
 
 PyTorch's own ops are correct but, for a decode step's short rows, cost their dispatch rather
 than their arithmetic (and PyTorch's int8 kernel converts more slowly than memory delivers).
