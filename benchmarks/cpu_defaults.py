@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -47,12 +48,25 @@ def decode_tok_s(llm: LLM, prompt: list[int], num_tokens: int) -> float:
     return num_tokens / (time.perf_counter() - started - prefill_s)
 
 
-def alternate(llms: dict[str, LLM], rounds: int, num_tokens: int) -> dict[str, list[float]]:
-    """Each round decodes one new prompt per arm, arms in turn."""
+Switch = Callable[[], object]  # sets an arm up on a shared model (the result is ignored)
+
+
+def alternate(
+    llms: dict[str, LLM],
+    rounds: int,
+    num_tokens: int,
+    switches: Mapping[str, Switch] | None = None,
+    context: int = 46,
+) -> dict[str, list[float]]:
+    """Each round decodes one new prompt (`context` + 1 tokens) per arm, arms in turn; an
+    arm's switch, if given, runs first (arms sharing one model switch a path on and off)."""
     results: dict[str, list[float]] = {name: [] for name in llms}
     for r in range(rounds):
         for name, llm in llms.items():
-            results[name].append(decode_tok_s(llm, [r * 7 + 3, *range(100, 146)], num_tokens))
+            if switches is not None:
+                switches[name]()
+            prompt = [r * 7 + 3, *range(100, 100 + context)]
+            results[name].append(decode_tok_s(llm, prompt, num_tokens))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} tok/s" for k, v in results.items()))
     return results
 
@@ -115,25 +129,24 @@ def measure_auto_dtype(rounds: int) -> None:
     print(f"median decode: auto (bf16) {auto:.0f}, float32 {fp32:.0f} tok/s -> {auto / fp32:.2f}x")
 
 
-def measure_fused(rounds: int) -> None:
+def measure_fused(rounds: int, prompt_tokens: int = 71) -> None:
     """One model, the fused CPU kernels switched on and off round by round: decode, then a
     71-token prefill (a fresh prompt each time)."""
     llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
-    results: dict[str, list[float]] = {"plain ops": [], "fused": []}
-    prefill_ms: dict[str, list[float]] = {"plain ops": [], "fused": []}
-    for r in range(rounds):
-        for name in results:
-            use_fused_cpu_ops(name == "fused")
-            results[name].append(decode_tok_s(llm, [r * 7 + 3, *range(100, 146)], 32))
-            started = time.perf_counter()
-            prompt = [5000 + r * 2 + len(name), *range(200, 270)]
-            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
-            prefill_ms[name].append((time.perf_counter() - started) * 1e3)
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} tok/s" for k, v in results.items()))
+    switches = {"plain ops": lambda: use_fused_cpu_ops(False), "fused": use_fused_cpu_ops}
+    results = alternate(dict.fromkeys(switches, llm), rounds, 32, switches)
     plain, fused = median(results["plain ops"]), median(results["fused"])
     print(f"median decode: plain {plain:.2f}, fused {fused:.2f} tok/s -> {fused / plain:.3f}x")
+    prefill_ms: dict[str, list[float]] = {name: [] for name in switches}
+    for r in range(rounds):
+        for name, switch in switches.items():
+            switch()
+            prompt = [5000 + r * 2 + len(name), *range(200, 200 + prompt_tokens - 1)]
+            started = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+            prefill_ms[name].append((time.perf_counter() - started) * 1e3)
     plain, fused = median(prefill_ms["plain ops"]), median(prefill_ms["fused"])
-    print(f"median 71-token prefill: plain {plain:.1f}, fused {fused:.1f} ms")
+    print(f"median {prompt_tokens}-token prefill: plain {plain:.1f}, fused {fused:.1f} ms")
 
 
 def linear_pass_s(product, inputs: dict[int, torch.Tensor], weights: list) -> float:
@@ -172,12 +185,11 @@ def measure_gemv(rounds: int) -> None:
         if isinstance(getattr(m, "method", None), PackedLinearMethod)
     )  # fmt: skip
     gemv = method.gemv
-    results: dict[str, list[float]] = {"packed": [], "gemv": []}
-    for r in range(rounds):
-        for name in results:
-            method.gemv = gemv if name == "gemv" else None
-            results[name].append(decode_tok_s(llm, [r * 7 + 3, *range(100, 146)], 32))
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} tok/s" for k, v in results.items()))
+    switches = {
+        "packed": lambda: setattr(method, "gemv", None),
+        "gemv": lambda: setattr(method, "gemv", gemv),
+    }
+    results = alternate(dict.fromkeys(switches, llm), rounds, 32, switches)
     packed, ours = median(results["packed"]), median(results["gemv"])
     bandwidth, _ = measure_read_bandwidth_gb_s(torch.get_num_threads())
     print(f"median decode: packed {packed:.2f}, gemv {ours:.2f} tok/s -> {ours / packed:.3f}x; "
@@ -190,13 +202,12 @@ def measure_decode_attention(rounds: int) -> None:
     llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=2048)
     backend = llm.engine.runner.attention_backend
     kernel = backend.attend_decodes
+    switches = {
+        "eager": lambda: setattr(backend, "attend_decodes", decode_group_attention),
+        "kernel": lambda: setattr(backend, "attend_decodes", kernel),
+    }
     for context in (46, 1000):
-        results: dict[str, list[float]] = {"eager": [], "kernel": []}
-        for r in range(rounds):
-            for name in results:
-                backend.attend_decodes = kernel if name == "kernel" else decode_group_attention
-                prompt = [r * 7 + 3, *range(100, 100 + context)]
-                results[name].append(decode_tok_s(llm, prompt, 32))
+        results = alternate(dict.fromkeys(switches, llm), rounds, 32, switches, context)
         eager, ours = median(results["eager"]), median(results["kernel"])
         print(f"{context + 1}-token prompt, median decode: eager {eager:.2f}, kernel "
               f"{ours:.2f} tok/s -> {ours / eager:.2f}x (rounds: {results})")  # fmt: skip

@@ -28,6 +28,18 @@ constexpr int64_t AHEAD = 4096;  // bytes
 template <int M>
 constexpr int UNROLL = M <= 2 ? 4 : M <= 4 ? 2 : 1;
 
+#ifdef __AVX512F__
+// sums[m] = the sum of every lane of acc[m][0..U): one row's U interleaved accumulators.
+template <int M, int U>
+static void add_lanes(const __m512 (&acc)[M][U], float* sums) {
+  for (int m = 0; m < M; ++m) {
+    __m512 total = acc[m][0];
+    for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[m][u]);
+    sums[m] = _mm512_reduce_add_ps(total);
+  }
+}
+#endif
+
 // sums[m] = dot(x[m], w) for M float32 activation rows and one int8 weight row of length K;
 // each 16 weights are widened to float32 once and used for all M rows.
 template <int M>
@@ -35,9 +47,7 @@ static void int8_row_dot(const float* x, const int8_t* w, int64_t K, float* sums
   constexpr int U = UNROLL<M>;
   int64_t k = 0;
 #ifdef __AVX512F__
-  __m512 acc[M][U];
-  for (int m = 0; m < M; ++m)
-    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+  __m512 acc[M][U] = {};  // zeros
   for (; k + 16 * U <= K; k += 16 * U) {
     // Ask for the cache line AHEAD bytes on (a prefetch never faults past the end).
     if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k + AHEAD), _MM_HINT_T0);
@@ -48,11 +58,7 @@ static void int8_row_dot(const float* x, const int8_t* w, int64_t K, float* sums
         acc[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16 * u), wf, acc[m][u]);
     }
   }
-  for (int m = 0; m < M; ++m) {
-    __m512 total = acc[m][0];
-    for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[m][u]);
-    sums[m] = _mm512_reduce_add_ps(total);
-  }
+  add_lanes<M, U>(acc, sums);
 #else
   for (int m = 0; m < M; ++m) sums[m] = 0.f;
 #endif
@@ -68,9 +74,7 @@ static void bf16_row_dot(const at::BFloat16* x, const at::BFloat16* w, int64_t K
 #ifdef __AVX512BF16__
   constexpr int U = UNROLL<M>;
   const char* bytes = reinterpret_cast<const char*>(w);
-  __m512 acc[M][U];
-  for (int m = 0; m < M; ++m)
-    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+  __m512 acc[M][U] = {};  // zeros
   for (; k + 32 * U <= K; k += 32 * U) {
     for (int u = 0; u < U; ++u) {  // each u reads one 64-byte line (32 weights)
       _mm_prefetch(bytes + 2 * (k + 32 * u) + AHEAD, _MM_HINT_T0);
@@ -81,11 +85,7 @@ static void bf16_row_dot(const at::BFloat16* x, const at::BFloat16* w, int64_t K
       }
     }
   }
-  for (int m = 0; m < M; ++m) {
-    __m512 total = acc[m][0];
-    for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[m][u]);
-    sums[m] = _mm512_reduce_add_ps(total);
-  }
+  add_lanes<M, U>(acc, sums);
 #else
   for (int m = 0; m < M; ++m) sums[m] = 0.f;
 #endif
