@@ -29,6 +29,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 from nanoserve.cpu_features import cpu_flags
 
 logger = logging.getLogger("nanoserve.cpu_kernels")
@@ -40,6 +42,11 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 # A build takes about a minute. A lock file much older than that was left by a build that was
 # killed (say, Ctrl-C during a first start), and torch would wait for it to go away forever.
 STALE_LOCK_S = 600.0
+# The GEMVs' prefetch distances tried at load (bytes ahead; 0: the hardware prefetcher alone),
+# each timed streaming int8 and bf16 matrices of TUNING_BYTES (more than most CPUs' L3).
+PREFETCH_CANDIDATES = (0, 4096)
+TUNING_BYTES = 128 << 20
+TUNING_ROW = 1024
 
 
 def cpu_key(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -97,5 +104,36 @@ def load_cpu_kernels() -> ModuleType | None:
     except Exception as error:  # no compiler, no ninja, a compile error: PyTorch's ops
         logger.warning("CPU kernels not built (%s); using PyTorch's ops", error)
         return None
+    tune_gemv_prefetch(module)
     logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
     return module
+
+
+def stream_seconds(module: ModuleType, weights: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """Seconds for the int8 and bf16 GEMVs to stream `weights` (int8, bf16) once, one row."""
+    int8, bf16 = weights
+    x = torch.ones(1, int8.shape[1], dtype=torch.bfloat16)
+    scales = torch.ones(int8.shape[0])
+    started = time.perf_counter()
+    module.int8_gemv(x, int8, scales)
+    module.bf16_gemv(x, bf16)
+    return time.perf_counter() - started
+
+
+def tune_gemv_prefetch(module: ModuleType, rounds: int = 3) -> int:
+    """Set the GEMVs' prefetch distance to the faster of PREFETCH_CANDIDATES on this CPU (the
+    best one differs between CPUs), timed on matrices larger than the caches; returns it."""
+    rows = TUNING_BYTES // TUNING_ROW
+    weights = (torch.ones(rows, TUNING_ROW, dtype=torch.int8),
+               torch.ones(rows // 2, TUNING_ROW, dtype=torch.bfloat16))  # fmt: skip
+    best: dict[int, float] = {}
+    for _ in range(rounds):  # candidates alternate, so that a noisy machine shifts them all
+        for bytes_ahead in PREFETCH_CANDIDATES:
+            module.set_gemv_prefetch(bytes_ahead)
+            seconds = stream_seconds(module, weights)
+            best[bytes_ahead] = min(best.get(bytes_ahead, seconds), seconds)
+    chosen = min(best, key=best.__getitem__)
+    module.set_gemv_prefetch(chosen)
+    logger.info("GEMV prefetch: %d bytes ahead (%s)", chosen,
+                ", ".join(f"{b}: {s * 1e3:.1f} ms" for b, s in best.items()))  # fmt: skip
+    return chosen

@@ -48,3 +48,27 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path)
     assert lock.exists()
     assert remove_stale_build_lock(tmp_path, now=made + STALE_LOCK_S + 1)
     assert not lock.exists()
+
+
+def test_the_gemv_prefetch_distance_is_the_fastest_candidate(monkeypatch):
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    chosen = kernels.gemv_prefetch()
+    assert chosen in cpu_kernels.PREFETCH_CANDIDATES  # load_cpu_kernels tuned it already
+    monkeypatch.setattr(cpu_kernels, "TUNING_BYTES", 4 << 20)
+    real = cpu_kernels.stream_seconds
+    try:
+        for fastest in cpu_kernels.PREFETCH_CANDIDATES:
+            timed: list[int] = []
+
+            def timing(module, weights, fastest=fastest, timed=timed):
+                real(module, weights)  # the kernels run with the distance being tried
+                timed.append(module.gemv_prefetch())
+                return 1.0 if timed[-1] == fastest else 2.0
+
+            monkeypatch.setattr(cpu_kernels, "stream_seconds", timing)
+            assert cpu_kernels.tune_gemv_prefetch(kernels, rounds=2) == fastest
+            assert kernels.gemv_prefetch() == fastest
+            assert sorted(timed) == sorted(2 * list(cpu_kernels.PREFETCH_CANDIDATES))
+    finally:
+        kernels.set_gemv_prefetch(chosen)

@@ -4,6 +4,8 @@
 at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales);
 at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight);
 bool bf16_gemv_is_vectorized();
+void set_gemv_prefetch(int64_t bytes);
+int64_t gemv_prefetch();
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> weight, double eps);
@@ -14,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, "[M, K] bf16 x [N, K] int8 weight * [N] scales -> [M, N]");
   m.def("bf16_gemv", &bf16_gemv, "[M, K] bf16 x [N, K] bf16 weight -> [M, N] (M <= 8)");
   m.def("bf16_gemv_is_vectorized", &bf16_gemv_is_vectorized, "built with AVX512-BF16?");
+  m.def("set_gemv_prefetch", &set_gemv_prefetch, "how many bytes ahead the GEMVs prefetch (0: none)");
+  m.def("gemv_prefetch", &gemv_prefetch, "the GEMVs' prefetch distance in bytes");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per request attending over its paged K/V context");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [T, H, D], weight optional");

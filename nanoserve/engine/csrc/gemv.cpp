@@ -1,12 +1,12 @@
 // Weight-streaming products for decode steps on CPU: a few tokens times a weight matrix.
 //
-//   int8_gemv:  out[m, n] = scales[n] * sum_k x[m, k] * w[n, k]     (int8 w, float32 sums)
-//   bf16_gemv:  out[m, n] =             sum_k x[m, k] * w[n, k]     (bf16 w, float32 sums)
+//   int8_gemv:  out[m, n] = scales[n] * sum_k x[m, k] * w[n, k]  (int8 w, int16 x, int32 sums)
+//   bf16_gemv:  out[m, n] =             sum_k x[m, k] * w[n, k]  (bf16 w, float32 sums)
 //
 // A decode step reads every weight once and does little arithmetic with it, so its speed is
 // the rate at which weights stream from memory. Each weight row is read once, front to back
-// (rows one after another: one sequential stream for the hardware prefetcher, helped by an
-// explicit prefetch ahead), and multiplied by every token's activations, which stay in L1.
+// (rows one after another: one sequential stream for the hardware prefetcher, helped where it
+// pays by an explicit prefetch ahead), and multiplied by every token's activations, which stay in L1.
 // Rows are split across torch's intra-op threads. Callers: quantization/int8.py (int8),
 // cpu_linear.py (bf16).
 #include <ATen/ATen.h>
@@ -14,15 +14,27 @@
 
 #include <ATen/Dispatch.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-// How far ahead of the product the weights are fetched: with the hardware prefetcher alone a
-// core streams a weight matrix at about half the rate it does with this.
-constexpr int64_t AHEAD = 4096;  // bytes
+// How far ahead of the product the weights are fetched, in bytes (0: the hardware prefetcher
+// alone). The best distance depends on the CPU: on an Intel Xeon an explicit prefetch 4 KiB
+// ahead doubled the rate at which a core streamed a weight matrix; on an AMD EPYC it slowed
+// the int8 GEMV by a fifth. cpu_kernels times the candidates when it loads the kernels.
+static std::atomic<int64_t> prefetch_bytes{4096};
+
+void set_gemv_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "a prefetch distance is a number of bytes ahead, got ", bytes);
+  prefetch_bytes.store(bytes);
+}
+
+int64_t gemv_prefetch() { return prefetch_bytes.load(); }
 
 // Accumulators per token row, interleaved along k, to hide the FMA latency: fewer rows, more.
 template <int M>
@@ -40,36 +52,64 @@ static void add_lanes(const __m512 (&acc)[M][U], float* sums) {
 }
 #endif
 
-// sums[m] = dot(x[m], w) for M float32 activation rows and one int8 weight row of length K;
-// each 16 weights are widened to float32 once and used for all M rows.
+// int8 products sum in int32, exactly: activations come as int16 (int16_rows, below), and one
+// instruction (AVX512-VNNI's vpdpwssd) multiplies 32 int16 pairs and adds them in pairs into 16
+// int32 lanes; each 32 weights are widened int8 -> int16 once for all M rows. Without VNNI,
+// AVX512-BW's vpmaddwd and an add do the same in two.
+#ifdef __AVX512BW__
+static inline __m512i add_pair_products(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+#endif
+
+// A lane gains at most 2 * 32767 * 127 per instruction: 256 instructions (8192 k) stay inside
+// int32, so longer rows sum in chunks of this many, each chunk's lanes then added as float32.
+constexpr int64_t INT32_SAFE_K = 8192;
+
+// sums[m] = dot(x[m], w) for M int16 activation rows and one int8 weight row of length K.
 template <int M>
-static void int8_row_dot(const float* x, const int8_t* w, int64_t K, float* sums) {
-  constexpr int U = UNROLL<M>;
+static void int8_row_dot(const int16_t* x, const int8_t* w, int64_t K, int64_t ahead,
+                         float* sums) {
+  for (int m = 0; m < M; ++m) sums[m] = 0.f;
   int64_t k = 0;
-#ifdef __AVX512F__
-  __m512 acc[M][U] = {};  // zeros
-  for (; k + 16 * U <= K; k += 16 * U) {
-    // Ask for the cache line AHEAD bytes on (a prefetch never faults past the end).
-    if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k + AHEAD), _MM_HINT_T0);
-    for (int u = 0; u < U; ++u) {
-      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16 * u));
-      const __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-      for (int m = 0; m < M; ++m)
-        acc[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16 * u), wf, acc[m][u]);
+#ifdef __AVX512BW__
+  constexpr int U = UNROLL<M>;
+  for (int64_t chunk = 0; chunk + 32 * U <= K; chunk += INT32_SAFE_K) {
+    const int64_t chunk_end = std::min(K, chunk + INT32_SAFE_K);
+    __m512i acc[M][U] = {};  // zeros
+    for (k = chunk; k + 32 * U <= chunk_end; k += 32 * U) {
+      for (int u = 0; u < U; ++u) {
+        const int64_t at = k + 32 * u;  // each u reads half a 64-byte line
+        if (ahead && at % 64 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w + at + ahead), _MM_HINT_T0);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + at));
+        const __m512i wv = _mm512_cvtepi8_epi16(bytes);
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_loadu_si512(x + m * K + at);
+          acc[m][u] = add_pair_products(acc[m][u], xv, wv);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 total = _mm512_setzero_ps();
+      for (int u = 0; u < U; ++u) total = _mm512_add_ps(total, _mm512_cvtepi32_ps(acc[m][u]));
+      sums[m] += _mm512_reduce_add_ps(total);
     }
   }
-  add_lanes<M, U>(acc, sums);
-#else
-  for (int m = 0; m < M; ++m) sums[m] = 0.f;
 #endif
   for (; k < K; ++k)  // the tail (all of it without AVX-512)
-    for (int m = 0; m < M; ++m) sums[m] += x[m * K + k] * static_cast<float>(w[k]);
+    for (int m = 0; m < M; ++m) sums[m] += static_cast<float>(x[m * K + k] * int32_t{w[k]});
 }
 
 // sums[m] = dot(x[m], w) for M bf16 activation rows and one bf16 weight row of length K.
 // AVX512-BF16's dot instruction multiplies 32 pairs (exact in float32) into 16 float32 sums.
 template <int M>
-static void bf16_row_dot(const at::BFloat16* x, const at::BFloat16* w, int64_t K, float* sums) {
+static void bf16_row_dot(const at::BFloat16* x, const at::BFloat16* w, int64_t K, int64_t ahead,
+                         float* sums) {
   int64_t k = 0;
 #ifdef __AVX512BF16__
   constexpr int U = UNROLL<M>;
@@ -77,7 +117,7 @@ static void bf16_row_dot(const at::BFloat16* x, const at::BFloat16* w, int64_t K
   __m512 acc[M][U] = {};  // zeros
   for (; k + 32 * U <= K; k += 32 * U) {
     for (int u = 0; u < U; ++u) {  // each u reads one 64-byte line (32 weights)
-      _mm_prefetch(bytes + 2 * (k + 32 * u) + AHEAD, _MM_HINT_T0);
+      if (ahead) _mm_prefetch(bytes + 2 * (k + 32 * u) + ahead, _MM_HINT_T0);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
       for (int m = 0; m < M; ++m) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u);
@@ -140,20 +180,76 @@ static void with_rows(int64_t M, const Body& body) {
   }
 }
 
+// Activation rows as int16 values times a power of two per row: row m = values[m, :] *
+// scales[m]. The power of two is the smallest that fits the row's largest magnitude in int16,
+// so every activation within 2^7 of the row's largest is exact (bf16 has 8 significant bits)
+// and smaller ones are off by at most half of it (2^-15 of the largest).
+struct Int16Rows {
+  at::Tensor values;          // [M, K] int16, in torch's 64-byte-aligned memory
+  std::vector<float> scales;  // [M]
+};
+
+static float largest_magnitude(const float* row, int64_t K) {
+  float largest = 0.f;
+  int64_t k = 0;
+#ifdef __AVX512F__
+  __m512 top = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+  largest = _mm512_reduce_max_ps(top);
+#endif
+  for (; k < K; ++k) largest = std::max(largest, std::fabs(row[k]));
+  return largest;
+}
+
+// out[k] = row[k] * inverse, rounded to the nearest integer (ties to even), saturated to int16.
+static void round_to_int16(const float* row, int64_t K, float inverse, int16_t* out) {
+  int64_t k = 0;
+#ifdef __AVX512F__
+  const __m512 by = _mm512_set1_ps(inverse);
+  for (; k + 16 <= K; k += 16) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), by));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm512_cvtsepi32_epi16(q));
+  }
+#endif
+  for (; k < K; ++k)
+    out[k] = static_cast<int16_t>(std::clamp(std::nearbyint(row[k] * inverse), -32768.f, 32767.f));
+}
+
+static Int16Rows int16_rows(const at::Tensor& x) {
+  const std::vector<float> xf = as_floats(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  Int16Rows rows{at::empty({M, K}, at::kShort), std::vector<float>(M)};
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xf.data() + m * K;
+    const float largest = largest_magnitude(row, K);
+    int exponent = 0;
+    std::frexp(largest, &exponent);  // largest < 2^exponent
+    rows.scales[m] = largest > 0.f ? std::ldexp(1.f, exponent - 15) : 1.f;
+    round_to_int16(row, K, 1.f / rows.scales[m], rows.values.data_ptr<int16_t>() + m * K);
+  }
+  return rows;
+}
+
 // x [M, K] (M <= 8), weight [N, K] int8, scales [N] -> [M, N] in x's dtype.
 at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1));
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(scales.numel() == N, "one scale per output row");
-  const std::vector<float> xf = as_floats(x), sf = as_floats(scales);
+  const Int16Rows xq = int16_rows(x);
+  const int64_t ahead = prefetch_bytes.load();
+  std::vector<float> converted;  // float32 scales are read in place (no copy of a 150k vocab)
+  const bool float_scales = scales.scalar_type() == at::kFloat && scales.is_contiguous();
+  if (!float_scales) converted = as_floats(scales);
+  const float* sf = float_scales ? scales.data_ptr<float>() : converted.data();
   auto out = at::empty({M, N}, x.options());
   const int8_t* wp = weight.data_ptr<int8_t>();
+  const int16_t* xp = xq.values.data_ptr<int16_t>();
   with_rows(M, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
     const auto row_dot = [&](int64_t n, float* sums) {
-      int8_row_dot<R>(xf.data(), wp + n * K, K, sums);
-      for (int m = 0; m < R; ++m) sums[m] *= sf[n];
+      int8_row_dot<R>(xp, wp + n * K, K, ahead, sums);
+      for (int m = 0; m < R; ++m) sums[m] *= xq.scales[m] * sf[n];
     };
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int8_gemv",
                                     [&] { gemv<R>(N, out.data_ptr<scalar_t>(), row_dot); });
@@ -177,13 +273,14 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(weight.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   auto xc = x.contiguous();
+  const int64_t ahead = prefetch_bytes.load();
   auto out = at::empty({M, N}, x.options());
   const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
   with_rows(M, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
     gemv<R>(N, out.data_ptr<at::BFloat16>(),
-            [&](int64_t n, float* sums) { bf16_row_dot<R>(xp, wp + n * K, K, sums); });
+            [&](int64_t n, float* sums) { bf16_row_dot<R>(xp, wp + n * K, K, ahead, sums); });
   });
   return out;
 }

@@ -1,10 +1,13 @@
 """int8 weight-only linears: each output channel's weights scaled into [-127, 127].
 
 Decoding one token streams every weight once, so half of bf16's bytes is up to ~2× the speed
-where memory bandwidth bounds the step. Activations stay in the model's dtype. On CPU, decode
-steps (up to `MAX_ROWS` tokens of bf16) take our compiled weight-streaming GEMV
-(`csrc/gemv.cpp`, see `cpu_kernels`): PyTorch's `aten._weight_int8pack_mm` converts more
-slowly than memory delivers, so with it int8 barely beats packed bf16 (it stays the fallback
+where memory bandwidth bounds the step. Activations stay in the model's dtype (but for the
+rounding below). On CPU, decode steps (up to `MAX_ROWS` tokens of bf16) take our compiled
+weight-streaming GEMV (`csrc/gemv.cpp`, see `cpu_kernels`), which rounds each token's
+activations to int16 times a power of two (exact for every value within 2^7 of the row's
+largest) and sums int8 * int16 products exactly in int32: one instruction per 32 weights,
+where widening each weight to float32 cost three per 16 and made the product slower than
+memory. PyTorch's `aten._weight_int8pack_mm` converts more slowly still (it stays the fallback
 where our kernels could not be built). Everything else (prefills, which are compute-bound,
 other dtypes, GPUs) multiplies by the weight widened to the activations' dtype, which int8
 values survive exactly.
@@ -43,7 +46,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8LinearMethod(LinearMethod):
     """`layer.int8_weight` [out, in] int8 and `layer.int8_scales` [out]; no float weight.
 
-    `gemv` is the compiled CPU kernel for decode steps (None: PyTorch's kernel instead).
+    `gemv` is the compiled CPU kernel for decode steps (None: PyTorch's kernel instead); it
+    reads the scales as float32 (`layer.int8_gemv_scales`, the same values), in place.
     """
 
     def __init__(self, gemv: Gemv | None = None) -> None:
@@ -53,6 +57,8 @@ class Int8LinearMethod(LinearMethod):
         quantized, scales = quantize_int8(layer.weight.detach())
         layer.int8_weight = quantized
         layer.int8_scales = scales.to(layer.weight.dtype)
+        if self.gemv is not None:  # the same values, as float32 for the kernel
+            layer.int8_gemv_scales = layer.int8_scales.float()
         layer.weight = None  # type: ignore[assignment]  # the int8 copy replaces it
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
@@ -61,7 +67,7 @@ class Int8LinearMethod(LinearMethod):
         rows, in_features = x.shape
         decode_step = x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= MAX_ROWS
         if decode_step and self.gemv is not None:
-            out = self.gemv(x, weight, scales)
+            out = self.gemv(x, weight, cast(torch.Tensor, layer.int8_gemv_scales))
         elif decode_step and in_features % 32 == 0:  # PyTorch's kernel sums other widths wrongly
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight, scales)
         else:
