@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -20,6 +21,11 @@
 // How many keys ahead a task asks for the next K/V rows: one task's rows lie a whole slot
 // (all KV heads) apart, too far apart for the hardware prefetcher to follow.
 constexpr int64_t AHEAD = 8;
+// Keys taken together, and query heads (of one KV head's group) taken together: each key's
+// values are widened to float32 once for HEADS heads, and the HEADS * KEYS sums are
+// independent, so their FMAs overlap (one dot's D / 16 FMAs each wait on the previous one).
+constexpr int KEYS = 4;
+constexpr int HEADS = 2;
 
 template <typename T>
 static void prefetch_row(const T* row, int64_t D) {
@@ -30,39 +36,101 @@ static void prefetch_row(const T* row, int64_t D) {
 #endif
 }
 
-// q . k over D values, q in float32.
-template <typename T>
-static float dot(const float* q, const T* k, int64_t D) {
-  int64_t d = 0;
-  float sum = 0.f;
-#ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
-  sum = _mm512_reduce_add_ps(acc);
-#endif
-  for (; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
-  return sum;
-}
-
-// out += p * v over D values, out in float32.
-template <typename T>
-static void add_scaled(float p, const T* v, float* out, int64_t D) {
+// scores[h * L + r] = q[h] . keys[r] for NH query heads (float32, rows D apart) and NK keys.
+template <int NH, int NK, typename T>
+static void score_keys(const float* q, const T* const (&keys)[NK], int64_t D, float* scores,
+                       int64_t L) {
+  float sums[NH][NK] = {};
   int64_t d = 0;
 #ifdef __AVX512F__
-  const __m512 pv = _mm512_set1_ps(p);
-  for (; d + 16 <= D; d += 16)
-    _mm512_storeu_ps(out + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(out + d)));
+  __m512 acc[NH][NK];
+  for (int h = 0; h < NH; ++h)
+    for (int r = 0; r < NK; ++r) acc[h][r] = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) {
+    for (int r = 0; r < NK; ++r) {
+      const __m512 kv = load16(keys[r] + d);
+      for (int h = 0; h < NH; ++h)
+        acc[h][r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d), kv, acc[h][r]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int r = 0; r < NK; ++r) sums[h][r] = _mm512_reduce_add_ps(acc[h][r]);
 #endif
-  for (; d < D; ++d) out[d] += p * static_cast<float>(v[d]);
+  for (; d < D; ++d)
+    for (int h = 0; h < NH; ++h)
+      for (int r = 0; r < NK; ++r) sums[h][r] += q[h * D + d] * static_cast<float>(keys[r][d]);
+  for (int h = 0; h < NH; ++h)
+    for (int r = 0; r < NK; ++r) scores[h * L + r] = sums[h][r];
 }
 
-// scores [G, L] -> exp(scores - row max) in place; returns nothing, fills sums [G].
+// out[h] += sum_r p[h * L + r] * values[r] for NH heads (out rows D apart) and NK value rows,
+// keys in order (the sums match adding one key at a time).
+template <int NH, int NK, typename T>
+static void add_values(const float* p, int64_t L, const T* const (&values)[NK], float* out,
+                       int64_t D) {
+  int64_t d = 0;
+#ifdef __AVX512F__
+  for (; d + 16 <= D; d += 16) {
+    __m512 acc[NH];
+    for (int h = 0; h < NH; ++h) acc[h] = _mm512_loadu_ps(out + h * D + d);
+    for (int r = 0; r < NK; ++r) {
+      const __m512 vv = load16(values[r] + d);
+      for (int h = 0; h < NH; ++h)
+        acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * L + r]), vv, acc[h]);
+    }
+    for (int h = 0; h < NH; ++h) _mm512_storeu_ps(out + h * D + d, acc[h]);
+  }
+#endif
+  for (; d < D; ++d)
+    for (int h = 0; h < NH; ++h)
+      for (int r = 0; r < NK; ++r) out[h * D + d] += p[h * L + r] * static_cast<float>(values[r][d]);
+}
+
+// Calls fn(j, rows) for the rows of keys j .. j + NK - 1, NK = KEYS while that many remain,
+// then 1, asking for the rows AHEAD keys on first.
+template <typename T, typename Rows, typename Fn>
+static void for_key_blocks(const T* cache, const Rows& row, int64_t L, int64_t D, const Fn& fn) {
+  int64_t j = 0;
+  for (; j + KEYS <= L; j += KEYS) {
+    const T* rows[KEYS];
+    for (int r = 0; r < KEYS; ++r) {
+      if (j + r + AHEAD < L) prefetch_row(cache + row(j + r + AHEAD), D);
+      rows[r] = cache + row(j + r);
+    }
+    fn(j, rows);
+  }
+  for (; j < L; ++j) {
+    const T* rows[1] = {cache + row(j)};
+    fn(j, rows);
+  }
+}
+
+// Calls fn(h, std::integral_constant<int, NH>) for the group's G heads, HEADS at a time.
+template <typename Fn>
+static void for_head_blocks(int64_t G, const Fn& fn) {
+  int64_t h = 0;
+  for (; h + HEADS <= G; h += HEADS) fn(h, std::integral_constant<int, HEADS>{});
+  for (; h < G; ++h) fn(h, std::integral_constant<int, 1>{});
+}
+
+// scores [G, L] -> exp(scores - row max) in place; fills sums [G] with each row's total.
 static void softmax_numerators(float* scores, int64_t G, int64_t L, float* sums) {
   for (int64_t g = 0; g < G; ++g) {
     float* row = scores + g * L;
     const float top = *std::max_element(row, row + L);
     float sum = 0.f;
-    for (int64_t j = 0; j < L; ++j) sum += (row[j] = std::exp(row[j] - top));
+    int64_t j = 0;
+#ifdef __AVX512F__
+    const __m512 shift = _mm512_set1_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (; j + 16 <= L; j += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+      _mm512_storeu_ps(row + j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    sum = _mm512_reduce_add_ps(total);
+#endif
+    for (; j < L; ++j) sum += (row[j] = std::exp(row[j] - top));
     sums[g] = sum;
   }
 }
@@ -98,16 +166,18 @@ static void attend(const at::Tensor& query, const at::Tensor& k_cache, const at:
       const int64_t first = (b * H + row.kv_head * G) * D;  // this group's query heads
       for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[first + i]) * scale;
       scores.resize(G * L);
-      for (int64_t j = 0; j < L; ++j) {
-        if (j + AHEAD < L) prefetch_row(k + row(j + AHEAD), D);
-        for (int64_t g = 0; g < G; ++g) scores[g * L + j] = dot(&qf[g * D], k + row(j), D);
-      }
+      for_key_blocks(k, row, L, D, [&](int64_t j, const auto& keys) {
+        for_head_blocks(G, [&](int64_t h, auto heads) {
+          score_keys<decltype(heads)::value>(&qf[h * D], keys, D, &scores[h * L + j], L);
+        });
+      });
       softmax_numerators(scores.data(), G, L, sums.data());
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < L; ++j) {
-        if (j + AHEAD < L) prefetch_row(v + row(j + AHEAD), D);
-        for (int64_t g = 0; g < G; ++g) add_scaled(scores[g * L + j], v + row(j), &acc[g * D], D);
-      }
+      for_key_blocks(v, row, L, D, [&](int64_t j, const auto& values) {
+        for_head_blocks(G, [&](int64_t h, auto heads) {
+          add_values<decltype(heads)::value>(&scores[h * L + j], L, values, &acc[h * D], D);
+        });
+      });
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) o[first + g * D + d] = static_cast<T>(acc[g * D + d] / sums[g]);
     }

@@ -71,9 +71,10 @@ static inline __m512i add_pair_products(__m512i acc, __m512i a, __m512i b) {
 constexpr int64_t INT32_SAFE_K = 8192;
 
 // sums[m] = dot(x[m], w) for M int16 activation rows and one int8 weight row of length K.
+// (Inlined into the row loop: a tenth faster from cache; bf16_row_dot was slower inlined.)
 template <int M>
-static void int8_row_dot(const int16_t* x, const int8_t* w, int64_t K, int64_t ahead,
-                         float* sums) {
+[[gnu::always_inline]] inline static void int8_row_dot(const int16_t* x, const int8_t* w,
+                                                      int64_t K, int64_t ahead, float* sums) {
   for (int m = 0; m < M; ++m) sums[m] = 0.f;
   int64_t k = 0;
 #ifdef __AVX512BW__

@@ -1,6 +1,6 @@
-// 16 float32 lanes loaded from and stored to float32 or bf16 memory (AVX-512), for the
-// kernels' elementwise loops. A bf16 is the top half of a float32: widening is exact, and
-// narrowing rounds to nearest even, as PyTorch's conversion does.
+// 16 float32 lanes loaded from and stored to float32 or bf16 memory (AVX-512), and their exp,
+// for the kernels' elementwise loops. A bf16 is the top half of a float32: widening is exact,
+// and narrowing rounds to nearest even, as PyTorch's conversion does.
 #pragma once
 #include <ATen/ATen.h>
 #if defined(__x86_64__)
@@ -25,5 +25,21 @@ inline __m512 round_to(float*, __m512 v) { return v; }
 inline __m512 round_to(at::BFloat16*, __m512 v) {
   const __m256i halves = (__m256i)_mm512_cvtneps_pbh(v);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+#endif
+
+#ifdef __AVX512F__
+// exp(x) of 16 floats: x = n ln2 + r (|r| <= ln2 / 2), exp(x) = 2^n e^r with e^r by its
+// Taylor series to r^7 (about an ulp, as the Sleef expf behind PyTorch's vectorized silu).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);  // p * 2^n: inf above, 0 below float's range
 }
 #endif

@@ -33,7 +33,7 @@ def decode_step(num_kv_heads: int, group: int, head_dim: int, block_size: int, d
     return query, k_cache, v_cache, meta
 
 
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])  # 3: a pair of heads, then one
 @pytest.mark.parametrize("head_dim", [128, 64, 40])  # 40: a tail past the 16-wide vectors
 def test_kernel_matches_the_eager_decode_in_float32(kernels, group, head_dim):
     query, k_cache, v_cache, meta = decode_step(2, group, head_dim, 4, torch.float32)
