@@ -342,6 +342,30 @@ def _token_ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
+# generation_config.json fields that become default sampling parameters, as vLLM takes them
+# (`--generation-config auto`); HF's max_new_tokens is our max_tokens.
+GENERATION_DEFAULT_FIELDS = (
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+    "top_p", "min_p", "max_new_tokens",
+)  # fmt: skip
+
+
+def load_generation_defaults(config_dir: Path) -> dict[str, Any]:
+    """The sampling defaults a model's creator put in `config_dir`/generation_config.json
+    (empty when there is none): request fields left unset take these before our own."""
+    path = Path(config_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    defaults = {k: config[k] for k in GENERATION_DEFAULT_FIELDS if config.get(k) is not None}
+    for name, value in defaults.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{path}: {name} must be a number, got {value!r}")
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    return defaults
+
+
 def load_generation_config_eos(model_dir: Path) -> set[int]:
     """EOS ids from generation_config.json (int or list); empty when the file is absent."""
     path = Path(model_dir) / "generation_config.json"

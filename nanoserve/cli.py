@@ -17,6 +17,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from nanoserve import __version__
 from nanoserve.checkpoint import DEMO_MODEL_NAME
@@ -82,6 +83,14 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--chat-template",
         help="a chat template (a Jinja string or a .jinja file) to use instead of the "
         "checkpoint's (default: the checkpoint's own)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="where the sampling fields a request leaves unset come from: 'auto', the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, the penalties and "
+        "max_new_tokens, as vLLM does); 'vllm', OpenAI's values; or a directory holding a "
+        "generation_config.json (default: auto)",
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -222,7 +231,7 @@ def check_engine_config(config: EngineConfig) -> Path:
     return model_dir
 
 
-def server_config_from_args(args: argparse.Namespace, model: str) -> ServerConfig:
+def server_config_from_args(args: argparse.Namespace, model: str, model_dir: Path) -> ServerConfig:
     """The HTTP front's settings from `serve`'s flags (ValueError names a bad one)."""
     if not args.worker_timeout > 0:
         raise ValueError(f"--worker-timeout must be > 0 seconds, got {args.worker_timeout}")
@@ -241,7 +250,31 @@ def server_config_from_args(args: argparse.Namespace, model: str) -> ServerConfi
         send_timeout_s=args.send_timeout,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        default_sampling=generation_defaults(args.generation_config, model_dir),
     )
+
+
+def generation_defaults(source: str, model_dir: Path) -> dict[str, Any]:
+    """--generation-config: the sampling defaults of `model_dir` (auto), none (vllm), or those
+    of the directory named; checked here, so that a bad one stops start-up, not requests."""
+    from nanoserve.checkpoint import load_generation_defaults
+    from nanoserve.sampling_params import SamplingParams
+
+    if source == "vllm":
+        return {}
+    directory = model_dir if source == "auto" else Path(source)
+    if source != "auto" and not directory.is_dir():
+        raise ValueError(f"--generation-config {source}: not a directory (or auto, or vllm)")
+    defaults = load_generation_defaults(directory)
+    SamplingParams(**defaults)  # ValueError names a field out of range
+    if defaults:
+        logger.warning(
+            "default sampling parameters from %s/generation_config.json: %s (for the fields a "
+            "request leaves unset; --generation-config vllm turns them off)",
+            directory,
+            defaults,
+        )
+    return defaults
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -261,7 +294,7 @@ def run_serve(args: argparse.Namespace) -> int:
             from nanoserve.worker.headless import run_headless
 
             return run_headless(engine_config, args.log_level)
-        server_config = server_config_from_args(args, model)
+        server_config = server_config_from_args(args, model, model_dir)
         from nanoserve.startup import bind_socket
 
         sock = bind_socket(args.host, args.port)  # a busy port is reported now, not after loading

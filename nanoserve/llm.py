@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from nanoserve.checkpoint import DEMO_MODEL_NAME, resolve_tokenizer
+from nanoserve.checkpoint import DEMO_MODEL_NAME, load_generation_defaults, resolve_tokenizer
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.output_processor import ChoiceState, OutputProcessor, PositionLogprobs
@@ -22,16 +22,32 @@ PromptType = str | list[int]
 
 
 class LLM:
-    """Generate completions for many prompts at once with continuous batching."""
+    """Generate completions for many prompts at once with continuous batching.
+
+    `generate` without sampling parameters uses `get_default_sampling_params()`: the model's
+    generation_config.json defaults (`generation_config="auto"`, as vLLM) or ours ("vllm").
+    """
 
     def __init__(
-        self, model: str = DEMO_MODEL_NAME, tokenizer: str | None = None, **engine_args
+        self,
+        model: str = DEMO_MODEL_NAME,
+        tokenizer: str | None = None,
+        generation_config: str = "auto",
+        **engine_args,
     ) -> None:
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config: 'auto' or 'vllm', got {generation_config!r}")
         self.engine = Engine(EngineConfig(model=model, **engine_args))
         download_dir = self.engine.config.download_dir
         tokenizer_dir = resolve_tokenizer(tokenizer, download_dir) if tokenizer else None
         self.tokenizer = load_tokenizer(tokenizer_dir or self.engine.model_path)
         self._request_counter = itertools.count()
+        use_model = generation_config == "auto"
+        self._defaults = load_generation_defaults(self.engine.model_path) if use_model else {}
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling parameters."""
+        return SamplingParams(**self._defaults)
 
     def generate(
         self,
@@ -40,6 +56,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         for params in params_list:
             if params.structured_outputs is not None:
@@ -101,10 +119,8 @@ def _logprob_dict(position: PositionLogprobs) -> dict[int, Logprob]:
 
 
 def _as_params_list(
-    sampling_params: SamplingParams | list[SamplingParams] | None, num_prompts: int
+    sampling_params: SamplingParams | list[SamplingParams], num_prompts: int
 ) -> list[SamplingParams]:
-    if sampling_params is None:
-        sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     if len(sampling_params) != num_prompts:

@@ -12,6 +12,7 @@ from nanoserve.checkpoint import (
     DEMO_MODEL_NAME,
     ModelLoadError,
     load_generation_config_eos,
+    load_generation_defaults,
     load_model_config,
     make_dummy_model_dir,
     resolve_checkpoint,
@@ -116,6 +117,31 @@ def test_generation_config_eos(checkpoints, tmp_path):
     assert load_generation_config_eos(model_dir) == {1, 258}
     (model_dir / "generation_config.json").unlink()
     assert load_generation_config_eos(model_dir) == set()
+
+
+def test_generation_defaults_are_the_sampling_fields_of_generation_config(checkpoints, tmp_path):
+    assert load_generation_defaults(checkpoints["qwen3"]) == {}  # eos only: nothing to default
+    model_dir = copy_checkpoint(checkpoints["qwen3"], tmp_path / "m")
+    config = {
+        "eos_token_id": 258,
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+        "repetition_penalty": 1.3,
+        "max_new_tokens": 7,
+        "min_p": None,
+    }
+    (model_dir / "generation_config.json").write_text(json.dumps(config))
+    assert load_generation_defaults(model_dir) == {
+        "temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.3,
+        "max_tokens": 7,  # HF's max_new_tokens
+    }  # fmt: skip
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match="temperature must be a number"):
+        load_generation_defaults(model_dir)
+    (model_dir / "generation_config.json").unlink()
+    assert load_generation_defaults(model_dir) == {}
 
 
 def test_unsupported_architecture_lists_supported(checkpoints, tmp_path):

@@ -81,6 +81,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["-dp", "0"], "--data-parallel-size must be ≥ 1, got 0"),
         (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1MiB would hold it"),
+        (["--generation-config", "/no/such/dir"], "--generation-config /no/such/dir: not a"),
         (
             ["--kv-cache-memory", "256KiB", "--max-model-len", "512", "--dtype", "float32"],
             "needs 32 blocks",
@@ -101,6 +102,17 @@ def test_bad_settings_fail_in_one_line_before_any_worker_starts(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert "worker" not in done.stderr.lower() and time.monotonic() - started < 30
+
+
+def test_a_generation_config_out_of_range_stops_start_up(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
+    done = subprocess.run(
+        [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "nanoserve-demo",
+         "--generation-config", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == "nanoserve serve: temperature must be ≥ 0, got -1"
 
 
 def test_a_bad_worker_timeout_fails_in_one_line(tiny_checkpoint: Path) -> None:

@@ -153,15 +153,35 @@ def test_the_loop_detector_catches_the_old_demo_loops():
     assert python_looks(looks_fine) == []
 
 
-# The openings whose greedy completions look like Python since the retraining (see the model
-# card); "for i in range(10):", 'if __name__ == "__main__":' and "def fibonacci(n):" still
-# loop at temperature 0.
+# Greedy completions of everyday openings look like Python with the repetition penalty that
+# the model's generation_config.json carries (transformers' generate applies it; at 1.0, three
+# of these six loop; see the model card).
+OPENINGS = ["import os", "def read_lines(path):", "class Stack:", "for i in range(10):",
+            'if __name__ == "__main__":', "def fibonacci(n):"]  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("opening", ["import os", "def read_lines(path):", "class Stack:"])
+@pytest.mark.parametrize("opening", OPENINGS)
 def test_greedy_completions_of_everyday_openings_look_like_python(tokenizer, model, opening):
+    assert model.generation_config.repetition_penalty == 1.3
     ids = tokenizer(opening, return_tensors="pt")["input_ids"]
     eos = model.generation_config.eos_token_id
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=eos[0])
     text = opening + tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert python_looks(text) == [], text
+
+
+def test_nanoserve_applies_the_demo_penalty_by_default_and_matches_transformers(tokenizer, model):
+    from nanoserve import LLM, SamplingParams
+
+    llm = LLM(dtype="float32")  # the demo model; generate() with no params: its defaults
+    defaults = llm.get_default_sampling_params()
+    assert defaults.repetition_penalty == 1.3
+    params = SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.3)
+    [ours] = llm.generate("for i in range(10):", params)
+    ids = tokenizer("for i in range(10):", return_tensors="pt")["input_ids"]
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=eos[0])
+    assert list(ours.outputs[0].token_ids) == out[0, ids.shape[1] :].tolist()

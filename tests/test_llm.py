@@ -129,3 +129,29 @@ def test_llm_without_a_model_is_the_demo_model():
     params = SamplingParams(temperature=0, max_tokens=8)
     [a], [b] = default.generate("import os", params), named.generate("import os", params)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 8
+
+
+def test_generate_without_params_uses_the_model_generation_config(checkpoint, tmp_path):
+    import json
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(checkpoint, model_dir)
+    config_path = model_dir / "generation_config.json"
+    defaults = {"temperature": 0.0, "repetition_penalty": 1.8, "max_new_tokens": 6}
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **defaults}))
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=256)
+    assert llm.get_default_sampling_params() == SamplingParams(
+        temperature=0.0, repetition_penalty=1.8, max_tokens=6
+    )
+    explicit = SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=6, min_tokens=6)
+    [by_default], [by_hand] = llm.generate("hello"), llm.generate("hello", explicit)
+    assert len(by_default.outputs[0].token_ids) <= 6
+    assert (
+        by_default.outputs[0].token_ids
+        == by_hand.outputs[0].token_ids[: len(by_default.outputs[0].token_ids)]
+    )
+    ours = LLM(str(model_dir), generation_config="vllm", device="cpu", dtype="float32")
+    assert ours.get_default_sampling_params() == SamplingParams()  # OpenAI's: temperature 1
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(str(model_dir), generation_config="/some/path")

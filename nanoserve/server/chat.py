@@ -123,7 +123,7 @@ class ChatServing(OpenAIServing):
             param, max_tokens = "max_tokens", request.max_tokens
         self.check_max_tokens(len(prompt), max_tokens, param)
         if max_tokens is None:
-            max_tokens = self.max_model_len - len(prompt)  # the rest of the context
+            max_tokens = self.default_max_tokens(len(prompt))  # the rest of the context
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         constraint = await checked_constraint(request, tools.constraint)
         params = self.make_params(request, max_tokens, logprobs, structured_outputs=constraint)

@@ -87,7 +87,7 @@ class CompletionServing(OpenAIServing):
         self.check_max_tokens(len(prompt), request.max_tokens, "max_tokens", minimum)
         max_tokens = request.max_tokens
         if max_tokens is None:  # null: the rest of the context
-            max_tokens = self.max_model_len - len(prompt)
+            max_tokens = self.default_max_tokens(len(prompt))
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is None and request.echo:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get logprobs too

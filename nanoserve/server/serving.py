@@ -170,6 +170,12 @@ class OpenAIServing:
                 param,
             )
 
+    def default_max_tokens(self, num_prompt: int) -> int:
+        """max_tokens for a request that sets none: the rest of the context, or less where the
+        model's generation config says so (its max_new_tokens)."""
+        rest = self.max_model_len - num_prompt
+        return min(rest, int(self.config.default_sampling.get("max_tokens", rest)))
+
     def make_params(
         self,
         request: SamplingFields,
@@ -188,11 +194,14 @@ class OpenAIServing:
             raise APIError(
                 "prompt_logprobs are not available when stream is true", 400, "prompt_logprobs"
             )
-        values: dict[str, Any] = {
-            name: getattr(request, name)
-            for name in SAMPLING_FIELDS
-            if getattr(request, name) is not None
-        }
+        defaults = self.config.default_sampling  # the model's, for fields the request left unset
+        values: dict[str, Any] = {}
+        for name in SAMPLING_FIELDS:
+            value = getattr(request, name)
+            if value is None:
+                value = defaults.get(name)
+            if value is not None:
+                values[name] = value
         if request.stop is not None:
             values["stop"] = _stop_strings(request.stop)
         if request.stop_token_ids is not None:  # looked up per token in the worker: no repeats
@@ -205,8 +214,8 @@ class OpenAIServing:
                     f"seed must be in [-2^63, 2^63 - {MAX_N}), got {request.seed}", 400, "seed"
                 )
             values["seed"] = request.seed
-        if request.top_k is not None:
-            values["top_k"] = min(request.top_k, self.num_token_ids)  # ≥ vocab: no filter
+        if "top_k" in values:
+            values["top_k"] = min(values["top_k"], self.num_token_ids)  # ≥ vocab: no filter
         if prompt_logprobs is None:
             prompt_logprobs = request.prompt_logprobs
         values.update(

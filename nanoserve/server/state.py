@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from nanoserve.server.tool_parsers import TOOL_PARSERS
 
@@ -36,6 +37,9 @@ class ServerConfig:
     send_timeout_s: float = 60.0  # a client that reads nothing while its send buffer is full
     tool_call_parser: str | None = None  # reads tool calls for tool_choice "auto"
     enable_auto_tool_choice: bool = False
+    # Sampling fields a request leaves unset take these (the model's generation_config.json
+    # under --generation-config auto; see checkpoint.load_generation_defaults), then ours.
+    default_sampling: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
