@@ -267,13 +267,6 @@ def generation_defaults(source: str, model_dir: Path) -> dict[str, Any]:
         raise ValueError(f"--generation-config {source}: not a directory (or auto, or vllm)")
     defaults = load_generation_defaults(directory)
     SamplingParams(**defaults)  # ValueError names a field out of range
-    if defaults:
-        logger.warning(
-            "default sampling parameters from %s/generation_config.json: %s (for the fields a "
-            "request leaves unset; --generation-config vllm turns them off)",
-            directory,
-            defaults,
-        )
     return defaults
 
 
@@ -301,6 +294,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"nanoserve serve: {with_flag_names(str(e))}", file=sys.stderr)
         return 2
+    if server_config.default_sampling:
+        logger.warning(
+            "sampling fields a request leaves unset take the model's generation config: %s "
+            "(--generation-config vllm turns this off)", dict(server_config.default_sampling)
+        )  # fmt: skip
     try:
         from nanoserve.checkpoint import resolve_tokenizer
         from nanoserve.tokenizer import load_tokenizer
