@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
@@ -190,16 +191,26 @@ struct Int16Rows {
   std::vector<float> scales;  // [M]
 };
 
+// The largest |row[k]|, or NaN where the row holds a NaN or an infinity (x * 0 is NaN for those
+// alone, and NaN survives a sum where a max would drop it).
 static float largest_magnitude(const float* row, int64_t K) {
-  float largest = 0.f;
+  float largest = 0.f, poison = 0.f;
   int64_t k = 0;
 #ifdef __AVX512F__
-  __m512 top = _mm512_setzero_ps();
-  for (; k + 16 <= K; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+  __m512 top = _mm512_setzero_ps(), zeros = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = _mm512_loadu_ps(row + k);
+    top = _mm512_max_ps(top, _mm512_abs_ps(v));
+    zeros = _mm512_add_ps(zeros, _mm512_mul_ps(v, _mm512_setzero_ps()));
+  }
   largest = _mm512_reduce_max_ps(top);
+  poison = _mm512_reduce_add_ps(zeros);
 #endif
-  for (; k < K; ++k) largest = std::max(largest, std::fabs(row[k]));
-  return largest;
+  for (; k < K; ++k) {
+    largest = std::max(largest, std::fabs(row[k]));
+    poison += row[k] * 0.f;
+  }
+  return std::isnan(poison) ? std::numeric_limits<float>::quiet_NaN() : largest;
 }
 
 // out[k] = row[k] * inverse, rounded to the nearest integer (ties to even), saturated to int16.
@@ -223,10 +234,16 @@ static Int16Rows int16_rows(const at::Tensor& x) {
   for (int64_t m = 0; m < M; ++m) {
     const float* row = xf.data() + m * K;
     const float largest = largest_magnitude(row, K);
+    int16_t* values = rows.values.data_ptr<int16_t>() + m * K;
+    if (std::isnan(largest)) {  // NaN or inf in x: NaN products (PyTorch: inf or NaN)
+      rows.scales[m] = largest;
+      std::fill(values, values + K, int16_t{0});
+      continue;
+    }
     int exponent = 0;
     std::frexp(largest, &exponent);  // largest < 2^exponent
     rows.scales[m] = largest > 0.f ? std::ldexp(1.f, exponent - 15) : 1.f;
-    round_to_int16(row, K, 1.f / rows.scales[m], rows.values.data_ptr<int16_t>() + m * K);
+    round_to_int16(row, K, 1.f / rows.scales[m], values);
   }
   return rows;
 }

@@ -74,6 +74,20 @@ def test_a_row_longer_than_int32_holds_sums_in_chunks(gemv):
     torch.testing.assert_close(out, expected, atol=0, rtol=2**-8)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_row_with_a_non_finite_activation_gives_no_finite_product(gemv, bad):
+    quantized, scales = quantize_int8(torch.randn(20, 100))
+    x = torch.randn(2, 100, dtype=torch.bfloat16)
+    x[1, 37] = bad  # in the vector part; the tail (k >= 96) is checked by the next row
+    x3 = torch.cat([x, torch.randn(1, 100, dtype=torch.bfloat16)])
+    x3[2, 98] = bad
+    out = gemv(x3, quantized, scales)
+    assert torch.isfinite(out[0]).all()  # the other row is untouched
+    assert out[1:].isnan().all()
+    aten = x3.float() @ (quantized.float() * scales[:, None]).T  # PyTorch: inf or NaN too
+    assert (~torch.isfinite(aten[1:])).all()
+
+
 def test_float32_scales_are_read_as_bf16_ones_converted(gemv):
     torch.manual_seed(1)
     quantized, scales = quantize_int8(torch.randn(300, 256))
