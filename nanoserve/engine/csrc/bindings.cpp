@@ -16,7 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, "[M, K] bf16 x [N, K] int8 weight * [N] scales -> [M, N]");
   m.def("bf16_gemv", &bf16_gemv, "[M, K] bf16 x [N, K] bf16 weight -> [M, N] (M <= 8)");
   m.def("bf16_gemv_is_vectorized", &bf16_gemv_is_vectorized, "built with AVX512-BF16?");
-  m.def("set_gemv_prefetch", &set_gemv_prefetch, "how many bytes ahead the GEMVs prefetch (0: none)");
+  m.def("set_gemv_prefetch", &set_gemv_prefetch, "bytes the GEMVs prefetch ahead (0: none)");
   m.def("gemv_prefetch", &gemv_prefetch, "the GEMVs' prefetch distance in bytes");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per request attending over its paged K/V context");

@@ -83,7 +83,8 @@ static void add_values(const float* p, int64_t L, const T* const (&values)[NK], 
 #endif
   for (; d < D; ++d)
     for (int h = 0; h < NH; ++h)
-      for (int r = 0; r < NK; ++r) out[h * D + d] += p[h * L + r] * static_cast<float>(values[r][d]);
+      for (int r = 0; r < NK; ++r)
+        out[h * D + d] += p[h * L + r] * static_cast<float>(values[r][d]);
 }
 
 // Calls fn(j, rows) for the rows of keys j .. j + NK - 1, NK = KEYS while that many remain,
@@ -179,7 +180,8 @@ static void attend(const at::Tensor& query, const at::Tensor& k_cache, const at:
         });
       });
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) o[first + g * D + d] = static_cast<T>(acc[g * D + d] / sums[g]);
+        for (int64_t d = 0; d < D; ++d)
+          o[first + g * D + d] = static_cast<T>(acc[g * D + d] / sums[g]);
     }
   });
 }

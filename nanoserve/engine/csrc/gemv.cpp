@@ -6,8 +6,8 @@
 // A decode step reads every weight once and does little arithmetic with it, so its speed is
 // the rate at which weights stream from memory. Each weight row is read once, front to back
 // (rows one after another: one sequential stream for the hardware prefetcher, helped where it
-// pays by an explicit prefetch ahead), and multiplied by every token's activations, which stay in L1.
-// Rows are split across torch's intra-op threads. Callers: quantization/int8.py (int8),
+// pays by an explicit prefetch ahead), and multiplied by every token's activations, which stay
+// in L1. Rows are split across torch's intra-op threads. Callers: quantization/int8.py (int8),
 // cpu_linear.py (bf16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
