@@ -110,10 +110,11 @@ def load_cpu_kernels() -> ModuleType | None:
 
 
 def stream_seconds(module: ModuleType, weights: tuple[torch.Tensor, torch.Tensor]) -> float:
-    """Seconds for the int8 and bf16 GEMVs to stream `weights` (int8, bf16) once, one row."""
+    """Seconds for the int8 and bf16 GEMVs to stream `weights` once, one row: int8 in row
+    pairs ([N/2, 2K], as quantization/int8.py stores it) and bf16 [N, K]."""
     int8, bf16 = weights
-    x = torch.ones(1, int8.shape[1], dtype=torch.bfloat16)
-    scales = torch.ones(int8.shape[0])
+    x = torch.ones(1, bf16.shape[1], dtype=torch.bfloat16)
+    scales = torch.ones(2 * int8.shape[0])
     started = time.perf_counter()
     module.int8_gemv(x, int8, scales)
     module.bf16_gemv(x, bf16)
@@ -124,7 +125,7 @@ def tune_gemv_prefetch(module: ModuleType, rounds: int = 3) -> int:
     """Set the GEMVs' prefetch distance to the faster of PREFETCH_CANDIDATES on this CPU (the
     best one differs between CPUs), timed on matrices larger than the caches; returns it."""
     rows = TUNING_BYTES // TUNING_ROW
-    weights = (torch.ones(rows, TUNING_ROW, dtype=torch.int8),
+    weights = (torch.ones(rows // 2, 2 * TUNING_ROW, dtype=torch.int8),
                torch.ones(rows // 2, TUNING_ROW, dtype=torch.bfloat16))  # fmt: skip
     best: dict[int, float] = {}
     for _ in range(rounds):  # candidates alternate, so that a noisy machine shifts them all

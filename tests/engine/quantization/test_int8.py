@@ -30,16 +30,18 @@ def test_per_channel_quantization_keeps_each_row_within_half_a_step():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, bias):
+@pytest.mark.parametrize("in_features", [64, 40])  # 40: not whole 32-weight chunks, no pairs
+def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, bias, in_features):
     torch.manual_seed(0)
-    layer = Linear(64, 48, bias=bias).to(dtype)
+    layer = Linear(in_features, 48, bias=bias).to(dtype)
     quantized, scales = quantize_int8(layer.weight.detach())
     dequantized = (quantized.float() * scales[:, None]).to(dtype)
     bias_values = None if layer.bias is None else layer.bias.detach().clone()
     assert install_int8_linears(layer) == 1 and isinstance(layer.method, Int8LinearMethod)
     assert layer.weight is None
+    assert layer.int8_paired == (in_features % 32 == 0)  # the CPU kernels build here
     for num_tokens in (1, 5, 9, 40):  # the GEMV, and the widened product beyond 8 rows
-        x = torch.randn(num_tokens, 64, dtype=dtype)
+        x = torch.randn(num_tokens, in_features, dtype=dtype)
         expected = F.linear(x.float(), dequantized.float(), None)
         if bias_values is not None:
             expected += bias_values.float()

@@ -1,4 +1,5 @@
-"""The compiled int8 GEMV (csrc/gemv.cpp): its products against float32 and PyTorch's."""
+"""The compiled int8 GEMV (csrc/gemv.cpp): its products against float32 and PyTorch's, with
+the weight in the row pairs it streams (`pair_rows`)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,25 @@ import pytest
 import torch
 
 from nanoserve.engine.cpu_kernels import load_cpu_kernels
-from nanoserve.engine.quantization.int8 import MAX_ROWS, quantize_int8
+from nanoserve.engine.quantization.int8 import MAX_ROWS, pair_rows, quantize_int8, unpair_rows
 
 
 @pytest.fixture(scope="module")
 def gemv():
     kernels = load_cpu_kernels()  # compiles on first use (the CI image has g++ and ninja)
     assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
-    return kernels.int8_gemv
+    return lambda x, weight, scales: kernels.int8_gemv(x, pair_rows(weight), scales)
+
+
+@pytest.mark.parametrize(("rows", "width"), [(37, 1024), (38, 96), (1, 32)])
+def test_row_pairs_interleave_32_weights_and_come_back(rows, width):
+    weight = torch.randint(-127, 128, (rows, width), dtype=torch.int8)
+    pairs = pair_rows(weight)  # [P, 2K]: 32 of row 2p, then the same 32 of row 2p + 1, ...
+    assert pairs.shape == ((rows + 1) // 2, 2 * width)
+    padded = torch.cat([weight, torch.zeros(rows % 2, width, dtype=torch.int8)])
+    assert torch.equal(pairs[0, :32], padded[0, :32])
+    assert torch.equal(pairs[0, 32:64], padded[1, :32])
+    assert torch.equal(unpair_rows(pairs, rows, torch.float32), weight.float())
 
 
 def int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,8 +38,8 @@ def int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.to(torch.int16), scales
 
 
-# in_features: a multiple of the 128-weight step, one with a tail, one shorter than a step.
-@pytest.mark.parametrize("in_features", [1024, 1000, 40])
+# in_features: a multiple of the 64-weight step, one 32-weight chunk past it, one chunk alone.
+@pytest.mark.parametrize("in_features", [1024, 1056, 32])
 @pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
 def test_gemv_is_the_product_by_the_dequantized_weight(gemv, in_features, rows):
     torch.manual_seed(rows)
@@ -76,11 +88,11 @@ def test_a_row_longer_than_int32_holds_sums_in_chunks(gemv):
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_a_row_with_a_non_finite_activation_gives_no_finite_product(gemv, bad):
-    quantized, scales = quantize_int8(torch.randn(20, 100))
-    x = torch.randn(2, 100, dtype=torch.bfloat16)
-    x[1, 37] = bad  # in the vector part; the tail (k >= 96) is checked by the next row
-    x3 = torch.cat([x, torch.randn(1, 100, dtype=torch.bfloat16)])
-    x3[2, 98] = bad
+    quantized, scales = quantize_int8(torch.randn(20, 128))
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    x[1, 37] = bad
+    x3 = torch.cat([x, torch.randn(1, 128, dtype=torch.bfloat16)])
+    x3[2, 127] = bad
     out = gemv(x3, quantized, scales)
     assert torch.isfinite(out[0]).all()  # the other row is untouched
     assert out[1:].isnan().all()
@@ -124,11 +136,16 @@ def test_gemv_refuses_more_rows_than_it_keeps_in_cache(gemv):
         gemv(x, quantized, scales.to(torch.bfloat16))
 
 
-def test_gemv_wants_one_scale_per_output_row(gemv):
+def test_gemv_wants_one_scale_per_output_row_and_whole_chunks(gemv):
     quantized, scales = quantize_int8(torch.randn(8, 64))
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="one scale per output row"):
-        gemv(x, quantized, scales[:-1].to(torch.bfloat16))
+        gemv(x, quantized, scales[:-2].to(torch.bfloat16))  # 4 pairs hold 7 or 8 rows, not 6
+    kernels = load_cpu_kernels()
+    with pytest.raises(RuntimeError, match="a multiple of 32"):
+        kernels.int8_gemv(
+            torch.randn(1, 40, dtype=torch.bfloat16), torch.zeros(4, 80, dtype=torch.int8), scales
+        )
 
 
 def test_gemv_splits_rows_across_threads_without_changing_them(gemv):
