@@ -72,3 +72,28 @@ def test_the_gemv_prefetch_distance_is_the_fastest_candidate(monkeypatch):
             assert sorted(timed) == sorted(2 * list(cpu_kernels.PREFETCH_CANDIDATES))
     finally:
         kernels.set_gemv_prefetch(chosen)
+
+
+def test_the_timed_prefetch_distance_is_remembered_per_build(monkeypatch, tmp_path):
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    chosen = kernels.gemv_prefetch()
+    timings: list[int] = []
+
+    def timed(module, rounds: int = 3) -> int:
+        timings.append(1)
+        module.set_gemv_prefetch(4096)
+        return 4096
+
+    monkeypatch.setattr(cpu_kernels, "tune_gemv_prefetch", timed)
+    try:
+        assert cpu_kernels.set_remembered_gemv_prefetch(kernels, tmp_path) == 4096
+        kernels.set_gemv_prefetch(0)
+        assert cpu_kernels.set_remembered_gemv_prefetch(kernels, tmp_path) == 4096
+        assert kernels.gemv_prefetch() == 4096 and timings == [1]  # timed once, then read
+        for file in tmp_path.glob("gemv_prefetch-*"):
+            file.write_text("512\n")  # not a candidate (an older version's?): timed again
+        assert cpu_kernels.set_remembered_gemv_prefetch(kernels, tmp_path) == 4096
+        assert timings == [1, 1]
+    finally:
+        kernels.set_gemv_prefetch(chosen)

@@ -150,29 +150,17 @@ static void bf16_row_dot(const at::BFloat16* x, const at::BFloat16* w, int64_t K
       sums[m] += static_cast<float>(x[m * K + k]) * static_cast<float>(w[k]);
 }
 
-// out [M, N]: out[m, n] = sums[m] of row_dot(n, sums), rounded once to Out; rows n split
-// across threads.
-template <int M, typename Out, typename RowDot>
-static void gemv(int64_t N, Out* out, const RowDot& row_dot) {
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    float sums[M];
-    for (int64_t n = begin; n < end; ++n) {
-      row_dot(n, sums);
-      for (int m = 0; m < M; ++m) out[m * N + n] = static_cast<Out>(sums[m]);
-    }
-  });
-}
-
-// out [M, N]: rows 2p and 2p + 1 of out from pair_dot(p, sums), rounded once to Out; pairs
-// split across threads (an odd N's last pair has one row).
-template <int M, typename Out, typename PairDot>
-static void gemv_pairs(int64_t N, Out* out, const PairDot& pair_dot) {
-  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t begin, int64_t end) {
-    float sums[2][M];
-    for (int64_t p = begin; p < end; ++p) {
-      pair_dot(p, sums);
-      for (int r = 0; r < 2 && 2 * p + r < N; ++r)
-        for (int m = 0; m < M; ++m) out[m * N + 2 * p + r] = static_cast<Out>(sums[r][m]);
+// out [M, N]: rows G i .. G i + G - 1 of out from group_dot(i, sums[G][M]), each rounded once
+// to Out; groups of G rows (one bf16 row, an int8 pair) split across threads, the last one
+// short where G does not divide N.
+template <int M, int G, typename Out, typename GroupDot>
+static void gemv(int64_t N, Out* out, const GroupDot& group_dot) {
+  at::parallel_for(0, (N + G - 1) / G, 16 / G, [&](int64_t begin, int64_t end) {
+    float sums[G][M];
+    for (int64_t i = begin; i < end; ++i) {
+      group_dot(i, sums);
+      for (int r = 0; r < G && G * i + r < N; ++r)
+        for (int m = 0; m < M; ++m) out[m * N + G * i + r] = static_cast<Out>(sums[r][m]);
     }
   });
 }
@@ -303,7 +291,7 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales) {
           sums[r][m] *= xq.scales[m] * sf[std::min(2 * p + r, N - 1)];
     };
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int8_gemv",
-                                    [&] { gemv_pairs<R>(N, out.data_ptr<scalar_t>(), pair_dot); });
+                                    [&] { gemv<R, 2>(N, out.data_ptr<scalar_t>(), pair_dot); });
   });
   return out;
 }
@@ -330,8 +318,9 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
   with_rows(M, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
-    gemv<R>(N, out.data_ptr<at::BFloat16>(),
-            [&](int64_t n, float* sums) { bf16_row_dot<R>(xp, wp + n * K, K, ahead, sums); });
+    gemv<R, 1>(N, out.data_ptr<at::BFloat16>(), [&](int64_t n, float (&sums)[1][R]) {
+      bf16_row_dot<R>(xp, wp + n * K, K, ahead, sums[0]);
+    });
   });
   return out;
 }
