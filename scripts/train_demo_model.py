@@ -54,6 +54,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for demo_loops beside this script
+import demo_loops  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "nanoserve" / "assets" / "demo"
 
@@ -106,13 +109,7 @@ SAMPLE_PROMPT = "def fibonacci(n):"
 SAMPLE_TOKENS = 48
 # Everyday openings whose greedy completions the model card shows (and tests check). No
 # trailing newline: the tokenizer merges a newline with the indentation after it.
-OPENINGS = (
-    "import os",
-    "def read_lines(path):",
-    "class Stack:",
-    "for i in range(10):",
-    'if __name__ == "__main__":',
-)
+OPENINGS = demo_loops.TEST_OPENINGS
 OPENING_TOKENS = 64
 
 
@@ -332,6 +329,35 @@ class WindowSampler:
         return torch.tensor(rows, dtype=torch.long)
 
 
+def split_docs(stream: torch.Tensor, eot_id: int) -> list[list[int]]:
+    """The documents of a concatenated token stream, without their separators."""
+    docs, current = [], []
+    for token in stream.tolist():
+        if token == eot_id:
+            docs.append(current)
+            current = []
+        else:
+            current.append(token)
+    return docs + ([current] if current else [])
+
+
+def loop_step(model, rollouts, args: argparse.Namespace, eos: list[int], bf16: bool) -> float:
+    """Add the unlikelihood gradient of one batch of greedy rollouts to the model's gradients
+    (the caller has already back-propagated the ordinary loss). Returns the share of the
+    generated tokens that were marked as loops."""
+    prefixes = rollouts.batch(args.rollout_batch)  # [B, n]
+    tokens = demo_loops.greedy_rollouts(model, prefixes, args.rollout_tokens, eos)  # [B, n + L]
+    marked = demo_loops.loop_mask(tokens, start=prefixes.shape[1])
+    generated = args.rollout_batch * args.rollout_tokens
+    if not marked.any():
+        return 0.0
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=tokens).logits  # [B, n + L, V]
+    loss, hits = demo_loops.unlikelihood_loss(logits, tokens, marked, generated)
+    (args.unlikelihood * loss).backward()
+    return hits / generated
+
+
 def encode_docs(tok, texts: list[str], eot_id: int) -> torch.Tensor:
     ids: list[int] = []
     for enc in tok.encode_batch(texts):
@@ -474,11 +500,12 @@ def md_table(rows: list[tuple[str, str]], header: tuple[str, str] = ("", "")) ->
 
 def write_model_card(out: Path, info: dict) -> None:
     s = info
-    history = f"trained from scratch in {s['wall_min']:.1f} minutes on {s['threads']} CPU threads"
+    threads = f"{s['threads']} CPU thread" + ("s" if s["threads"] != 1 else "")
+    history = f"trained from scratch in {s['wall_min']:.1f} minutes on {threads}"
     if s["init_from"]:
         history = (
             f"whose training continued `{s['init_from']}` (held-out {s['init_bpb']:.3f} bits/byte) "
-            f"for {s['wall_min']:.1f} minutes on {s['threads']} CPU threads"
+            f"for {s['wall_min']:.1f} minutes on {threads}"
         )
     plain_pct = 100 - s["fim_pct"] - s["chat_pct"]
     train_table = md_table(
@@ -527,6 +554,19 @@ def write_model_card(out: Path, info: dict) -> None:
                 f"{s['warmup']} warmup steps, cosine to {s['min_lr_ratio']:g}×, "
                 "grad clip 1.0",
             ),
+            *(
+                [
+                    (
+                        "loss against greedy loops",
+                        f"weight {s['unlikelihood']:g}: each step, {s['rollout_batch']} greedy "
+                        f"continuations of {s['rollout_tokens']} tokens of training prefixes; "
+                        "their tokens that say a span a third time in a row get "
+                        "-log(1 - p) (`scripts/demo_loops.py`)",
+                    )
+                ]
+                if s["unlikelihood"]
+                else []
+            ),
             ("precision", "fp32 master weights, bf16 autocast; saved as bf16"),
             (
                 "wall time",
@@ -561,6 +601,11 @@ def write_model_card(out: Path, info: dict) -> None:
                 f"({s['eval_bytes'] / s['eval_tokens']:.2f} bytes per token)",
             ),
             ("final training loss (mean of last 50 steps, mixed data)", f"{s['train_loss']:.3f}"),
+            (
+                "greedy completions (64 tokens) that look like Python (`scripts/demo_loops.py`)",
+                f"{s['looks_test']} of {len(demo_loops.TEST_OPENINGS)} test openings, "
+                f"{s['looks_more']} of {len(demo_loops.MORE_OPENINGS)} more",
+            ),
         ],
         header=("metric", "value"),
     )
@@ -720,6 +765,20 @@ def generate_samples(out: Path) -> dict[str, str]:
     return samples
 
 
+def count_python_looking(out: Path) -> dict[str, int]:
+    """How many greedy completions of the judged openings look like Python (no penalty)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    counts = {}
+    for name, openings in (("test", demo_loops.TEST_OPENINGS), ("more", demo_loops.MORE_OPENINGS)):
+        judged = demo_loops.judge_openings(model, tok, openings)
+        good = counts[f"looks_{name}"] = sum(not problems for _, problems in judged.values())
+        log(f"greedy completions of {name} openings looking like Python: {good} of {len(openings)}")
+    return counts
+
+
 # --------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------
@@ -761,6 +820,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train on the files without their docstrings and comments (held-out bits per byte "
         "are still measured on the files as they are, and also without prose)",
     )
+    p.add_argument(
+        "--unlikelihood",
+        type=float,
+        default=0.0,
+        help="weight of the loss against greedy loops (demo_loops.py): each step the model "
+        "continues --rollout-batch training prefixes greedily and the tokens that repeat a span "
+        "a third time are made less likely; 0 turns it off",
+    )
+    p.add_argument("--rollout-batch", type=int, default=16)
+    p.add_argument("--rollout-tokens", type=int, default=64)
     p.add_argument("--holdout-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
@@ -898,6 +967,9 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = args.batch_size * args.seq_len
     t_train = time.time()
     recent: list[float] = []
+    recent_loops: list[float] = []  # share of rollout tokens that loop, last 50 steps
+    lines = [tok.encode(line).ids for line in demo_loops.opening_lines([t for _, t in train])]
+    rollouts = demo_loops.RolloutPrefixes(split_docs(train_stream, eot_id), lines, args.seed + 1)
     budget_s = args.time_budget_min * 60 if args.time_budget_min else None
     for step in range(args.steps):
         time_fraction = (time.time() - t_train) / budget_s if budget_s else None
@@ -917,6 +989,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if args.unlikelihood > 0:
+            loop_share = loop_step(model, rollouts, args, [eot_id, im_end_id], use_bf16)
+            recent_loops = (recent_loops + [loop_share])[-50:]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         recent = (recent + [loss.item()])[-50:]
@@ -928,7 +1003,12 @@ def main(argv: list[str] | None = None) -> None:
             log(
                 f"step {done:5d}/{args.steps} loss {loss.item():.4f} "
                 f"(avg50 {sum(recent) / len(recent):.4f}) lr {lr:.2e} {tps:,.0f} tok/s "
-                f"elapsed {elapsed / 60:.1f} min eta {eta / 60:.1f} min"
+                + (
+                    f"loops {100 * sum(recent_loops) / max(1, len(recent_loops)):.1f}% "
+                    if args.unlikelihood > 0
+                    else ""
+                )
+                + f"elapsed {elapsed / 60:.1f} min eta {eta / 60:.1f} min"
             )
         if args.eval_every and done % args.eval_every == 0 and done != args.steps:
             ev = evaluate(
@@ -1030,6 +1110,10 @@ def main(argv: list[str] | None = None) -> None:
         "init_code_bpb": init_code_eval["bpb"] if init_code_eval else None,
         "code_bpb": code_ev["bpb"],
         "code_only": args.code_only,
+        "unlikelihood": args.unlikelihood,
+        "rollout_batch": args.rollout_batch,
+        "rollout_tokens": args.rollout_tokens,
+        **count_python_looking(out),
     }
     write_model_card(out, info)
     total_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
