@@ -6,16 +6,30 @@ validate the artifact independently of nanoserve's own engine.
 
 from __future__ import annotations
 
-import itertools
+import importlib.util
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "nanoserve" / "assets" / "demo"
+LOOPS_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "demo_loops.py"
+
+
+def load_demo_loops():
+    """scripts/demo_loops.py, where the judge of greedy completions lives (the training script
+    reports it too)."""
+    spec = importlib.util.spec_from_file_location("demo_loops", LOOPS_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+demo_loops = load_demo_loops()
+python_looks = demo_loops.python_looks
 REQUIRED_FILES = (
     "config.json",
     "model.safetensors",
@@ -123,29 +137,6 @@ def test_loss_well_below_uniform(tokenizer, model):
     assert loss < 2.5, f"mean loss {loss:.3f} nats/token (uniform would be {uniform:.2f})"
 
 
-def python_looks(text: str) -> list[str]:
-    """What keeps `text` from looking like Python: too few lines, no indented line, no code
-    word after the first line, a line said three times in a row, or a run of 1-6 words said
-    four times in a row (`self.is_is_is_is`, `Attributes, Attributes, ...`)."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    problems = []
-    if len(lines) < 4:
-        problems.append(f"{len(lines)} lines")
-    if not any(line.startswith((" ", "\t")) for line in lines):
-        problems.append("no indented line")
-    if not re.search(r"\b(return|if|def|import|for|self)\b|=", "\n".join(lines[1:])):
-        problems.append("no code word")
-    if max(len(list(run)) for _, run in itertools.groupby(lines)) > 2:
-        problems.append("a line repeats")
-    words = re.findall(r"[A-Za-z0-9]+", text)
-    for n in range(1, 7):
-        for i in range(len(words) - 4 * n + 1):
-            if all(words[i + k * n : i + (k + 1) * n] == words[i : i + n] for k in range(4)):
-                problems.append(f"loops on {' '.join(words[i : i + n])!r}")
-                return problems
-    return problems
-
-
 def test_the_loop_detector_catches_the_old_demo_loops():
     assert python_looks("for i in range(10):\n    if self.is_is_is_is_is_is_is_is_is_is") != []
     assert python_looks("import os\nimport os\nimport os\nimport sys\n    x = 1") != []
@@ -153,32 +144,33 @@ def test_the_loop_detector_catches_the_old_demo_loops():
     assert python_looks(looks_fine) == []
 
 
-# Greedy completions of everyday openings look like Python with the repetition penalty that
-# the model's generation_config.json carries (transformers' generate applies it; at 1.0, three
-# of these six loop; see the model card).
-OPENINGS = ["import os", "def read_lines(path):", "class Stack:", "for i in range(10):",
-            'if __name__ == "__main__":', "def fibonacci(n):"]  # fmt: skip
-
-
+# Greedy completions of everyday openings look like Python, with no repetition penalty: the
+# model was trained against its own greedy loops (scripts/demo_loops.py never shows it these
+# openings). The model card lists the completions.
 @pytest.mark.slow
-@pytest.mark.parametrize("opening", OPENINGS)
+@pytest.mark.parametrize("opening", demo_loops.TEST_OPENINGS)
 def test_greedy_completions_of_everyday_openings_look_like_python(tokenizer, model, opening):
-    assert model.generation_config.repetition_penalty == 1.3
     ids = tokenizer(opening, return_tensors="pt")["input_ids"]
     eos = model.generation_config.eos_token_id
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=eos[0])
+        out = model.generate(
+            ids, max_new_tokens=64, do_sample=False, repetition_penalty=1.0, pad_token_id=eos[0]
+        )
     text = opening + tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert python_looks(text) == [], text
 
 
-def test_nanoserve_applies_the_demo_penalty_by_default_and_matches_transformers(tokenizer, model):
+def test_the_demo_generation_config_sets_no_sampling_defaults():
+    gen = json.loads((DEMO_DIR / "generation_config.json").read_text())
+    assert set(gen) <= {"eos_token_id", "pad_token_id", "bos_token_id", "transformers_version"}
+
+
+def test_nanoserve_greedy_tokens_on_the_demo_match_transformers(tokenizer, model):
     from nanoserve import LLM, SamplingParams
 
-    llm = LLM(dtype="float32")  # the demo model; generate() with no params: its defaults
-    defaults = llm.get_default_sampling_params()
-    assert defaults.repetition_penalty == 1.3
-    params = SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.3)
+    llm = LLM(dtype="float32")  # the demo model
+    assert llm.get_default_sampling_params().repetition_penalty == 1.0
+    params = SamplingParams(temperature=0, max_tokens=32)
     [ours] = llm.generate("for i in range(10):", params)
     ids = tokenizer("for i in range(10):", return_tensors="pt")["input_ids"]
     eos = model.generation_config.eos_token_id
