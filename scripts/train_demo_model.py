@@ -16,6 +16,8 @@ Everything is derived from the standard library source of the running interprete
    autocast on CPU) on fixed-length windows sampled by a seeded RNG. A small fraction of the
    windows are rewritten into FIM (prefix/suffix/middle) and ChatML form, so the special tokens
    are not untrained and chat/FIM requests terminate instead of rambling until max_tokens.
+   With ``--unlikelihood W``, each step also lets the model continue training prefixes
+   greedily and makes the tokens that loop less likely (``demo_loops.py``).
 4. Evaluate held-out loss and bits per byte, save a normal Hugging Face checkpoint (bf16
    safetensors + tokenizer + chat template + generation config) and write a model card.
 
@@ -23,9 +25,11 @@ Reproducibility: a fixed seed drives model init and data sampling, and the step 
 (not time-based). Bit-identical weights additionally need the same Python stdlib (3.11.7 for
 the shipped checkpoint), torch version and thread count.
 
-Usage (the shipped checkpoint was produced with the defaults)::
+Usage (the shipped checkpoint's card gives the commands of its three runs)::
 
     python scripts/train_demo_model.py
+    python scripts/train_demo_model.py --init-from nanoserve/assets/demo --unlikelihood 2 \\
+        --lr 4e-4 --warmup 20 --time-budget-min 45 --out /tmp/demo-new
     python scripts/train_demo_model.py --steps 50 --out /tmp/demo-smoke   # quick smoke run
 """
 
