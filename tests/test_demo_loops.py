@@ -3,22 +3,14 @@ what it penalises, and which prefixes it continues."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "demo_loops.py"
+from scripts_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def loops():
-    spec = importlib.util.spec_from_file_location("demo_loops", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("demo_loops")
 
 
 def marked(loops, ids: list[int], start: int = 0) -> list[int]:

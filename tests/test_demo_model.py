@@ -6,29 +6,16 @@ validate the artifact independently of nanoserve's own engine.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from scripts_loader import load_script
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "nanoserve" / "assets" / "demo"
-LOOPS_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "demo_loops.py"
-
-
-def load_demo_loops():
-    """scripts/demo_loops.py, where the judge of greedy completions lives (the training script
-    reports it too)."""
-    spec = importlib.util.spec_from_file_location("demo_loops", LOOPS_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-demo_loops = load_demo_loops()
+demo_loops = load_script("demo_loops")  # the judge of greedy completions
 python_looks = demo_loops.python_looks
 REQUIRED_FILES = (
     "config.json",

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import io
 import sysconfig
 import tokenize
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
+from scripts_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def train_script():
-    spec = importlib.util.spec_from_file_location("train_demo_model", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_demo_model")
 
 
 SOURCE = '''#!/usr/bin/env python
