@@ -10,7 +10,8 @@ span for the third time in a row, and lowers their probability with ``-log(1 - p
 that are not part of a loop, and all of the training text, keep the ordinary loss.
 
 ``python_looks`` is the judge the tests use on the shipped model's greedy completions; the
-training never sees the openings it is tested on.
+openings it judges are never rollout prefixes (the shipped run predates leaving out file
+starts equal to one: see its model card).
 """
 
 from __future__ import annotations
@@ -109,11 +110,19 @@ class RolloutPrefixes:
     """Seeded prefixes of the training files for the model to continue, in three kinds: a
     file's first 2-48 tokens; 16-96 tokens from the middle of a file; or one line of a file
     alone, without its indentation or anything before it, as a user's opening would be (lines
-    equal to one of the openings above are left out, so those stay unseen). One length per
-    batch, so no padding is needed."""
+    equal to one of the openings above are left out, and so are file starts whose ids are
+    `avoid`'s, so those openings stay unseen as prefixes). One length per batch, so no padding
+    is needed."""
 
-    def __init__(self, docs: list[list[int]], lines: list[list[int]], seed: int) -> None:
+    def __init__(
+        self,
+        docs: list[list[int]],
+        lines: list[list[int]],
+        seed: int,
+        avoid: frozenset[tuple[int, ...]] = frozenset(),
+    ) -> None:
         self.docs = [d for d in docs if len(d) >= 200]
+        self.avoid = avoid  # token ids of the judged openings: never a whole prefix
         self.lines_by_length: dict[int, list[list[int]]] = {}
         for line in lines:
             self.lines_by_length.setdefault(len(line), []).append(line)
@@ -122,10 +131,11 @@ class RolloutPrefixes:
 
     def batch(self, batch_size: int) -> torch.Tensor:
         rng = self.rng
-        kind = rng.randrange(3)
+        kind = rng.randrange(3 if self.line_lengths else 2)  # no lines: no third kind
         if kind == 0:
             n = rng.randint(2, 48)
-            rows = [rng.choice(self.docs)[:n] for _ in range(batch_size)]
+            starts = [d[:n] for d in self.docs if tuple(d[:n]) not in self.avoid]
+            rows = [rng.choice(starts) for _ in range(batch_size)]
         elif kind == 1:
             n = rng.randint(16, 96)
             rows = []

@@ -973,7 +973,11 @@ def main(argv: list[str] | None = None) -> None:
     recent: list[float] = []
     recent_loops: list[float] = []  # share of rollout tokens that loop, last 50 steps
     lines = [tok.encode(line).ids for line in demo_loops.opening_lines([t for _, t in train])]
-    rollouts = demo_loops.RolloutPrefixes(split_docs(train_stream, eot_id), lines, args.seed + 1)
+    judged = demo_loops.TEST_OPENINGS + demo_loops.MORE_OPENINGS
+    avoid = frozenset(tuple(tok.encode(opening).ids) for opening in judged)
+    rollouts = demo_loops.RolloutPrefixes(
+        split_docs(train_stream, eot_id), lines, args.seed + 1, avoid
+    )
     budget_s = args.time_budget_min * 60 if args.time_budget_min else None
     for step in range(args.steps):
         time_fraction = (time.time() - t_train) / budget_s if budget_s else None

@@ -96,3 +96,11 @@ def test_rollout_prefixes_are_pieces_of_the_training_data(loops):
             assert doc[start : start + len(row)] == row
             kinds.add("start" if start == 0 else "middle")
     assert kinds == {"line", "start", "middle"}
+
+
+def test_file_starts_equal_to_a_judged_opening_are_never_prefixes(loops):
+    docs = [[5, 6] + list(range(1000, 1300)), [7, 8] + list(range(2000, 2300))]
+    prefixes = loops.RolloutPrefixes(docs, [], seed=0, avoid=frozenset({(5, 6)}))
+    starts = [row for _ in range(200) for row in prefixes.batch(2).tolist() if row[0] in (5, 7)]
+    assert [7, 8] in starts and [5, 6] not in starts
+    assert any(row[:2] == [5, 6] and len(row) > 2 for row in starts)  # longer ones still come
