@@ -91,18 +91,13 @@ def loop_mask(tokens: torch.Tensor, start: int, max_period: int = 32) -> torch.T
     tokens ending at t each equal the token p before them: the last 2p tokens before t were one
     span said twice, and t says it again. Returns a [B, T] bool mask (False before `start`).
     """
-    batch, length = tokens.shape
-    mask = torch.zeros(batch, length, dtype=torch.bool)
-    for p in range(1, max_period + 1):
-        if 2 * p + 1 > length:
-            break
-        same = torch.zeros(batch, length, dtype=torch.bool)
-        same[:, p:] = tokens[:, p:] == tokens[:, :-p]  # [B, T]: token t equals token t - p
-        run = torch.zeros(batch, dtype=torch.long)  # [B]: equal tokens in a row ending at t
-        for t in range(length):
-            run = torch.where(same[:, t], run + 1, torch.zeros_like(run))
-            if t >= start:
-                mask[:, t] |= run >= p + 1
+    length = tokens.shape[1]
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    for p in range(1, min(max_period, (length - 1) // 2) + 1):
+        same = tokens[:, p:] == tokens[:, :-p]  # [B, T - p]: token i + p equals token i
+        third = same.unfold(1, p + 1, 1).all(-1)  # [B, T - 2p]: p + 1 in a row, ending at 2p + i
+        mask[:, 2 * p :] |= third
+    mask[:, :start] = False
     return mask
 
 

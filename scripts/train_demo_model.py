@@ -111,9 +111,7 @@ CHAT_TEMPLATE = (
 
 SAMPLE_PROMPT = "def fibonacci(n):"
 SAMPLE_TOKENS = 48
-# Everyday openings whose greedy completions the model card shows (and tests check). No
-# trailing newline: the tokenizer merges a newline with the indentation after it.
-OPENINGS = demo_loops.TEST_OPENINGS
+# Greedy completions of the judged openings (demo_loops.py) are this long, as the tests'.
 OPENING_TOKENS = 64
 
 
@@ -333,18 +331,6 @@ class WindowSampler:
         return torch.tensor(rows, dtype=torch.long)
 
 
-def split_docs(stream: torch.Tensor, eot_id: int) -> list[list[int]]:
-    """The documents of a concatenated token stream, without their separators."""
-    docs, current = [], []
-    for token in stream.tolist():
-        if token == eot_id:
-            docs.append(current)
-            current = []
-        else:
-            current.append(token)
-    return docs + ([current] if current else [])
-
-
 def loop_step(model, rollouts, args: argparse.Namespace, eos: list[int], bf16: bool) -> float:
     """Add the unlikelihood gradient of one batch of greedy rollouts to the model's gradients
     (the caller has already back-propagated the ordinary loss). Returns the share of the
@@ -362,12 +348,13 @@ def loop_step(model, rollouts, args: argparse.Namespace, eos: list[int], bf16: b
     return hits / generated
 
 
-def encode_docs(tok, texts: list[str], eot_id: int) -> torch.Tensor:
-    ids: list[int] = []
-    for enc in tok.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(eot_id)
-    return torch.tensor(ids, dtype=torch.long)
+def encode_docs(tok, texts: list[str]) -> list[list[int]]:
+    return [enc.ids for enc in tok.encode_batch(texts)]
+
+
+def join_docs(docs: list[list[int]], eot_id: int) -> torch.Tensor:
+    """One token stream: each document followed by ``<|endoftext|>``."""
+    return torch.tensor([t for doc in docs for t in (*doc, eot_id)], dtype=torch.long)
 
 
 # --------------------------------------------------------------------------------------------
@@ -731,12 +718,16 @@ with no warranty of any kind.
 
 
 @torch.no_grad()
-def generate_samples(out: Path) -> dict[str, str]:
+def load_saved(out: Path):
+    """The saved checkpoint in `out` as transformers loads it: (tokenizer, fp32 model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out).float()
-    model.eval()
+    return AutoTokenizer.from_pretrained(out), AutoModelForCausalLM.from_pretrained(
+        out
+    ).float().eval()
+
+
+def generate_samples(tok, model) -> dict[str, str]:
     eos = model.generation_config.eos_token_id
 
     def gen(prompt: str, n: int, **kw) -> str:
@@ -762,25 +753,21 @@ def generate_samples(out: Path) -> dict[str, str]:
         [{"role": "user", "content": chat_user}], tokenize=False, add_generation_prompt=True
     )
     samples["sample_chat"] = gen(chat_prompt, 64, do_sample=False)
-    samples["sample_openings"] = "\n\n".join(
-        f"```text\n{opening}{gen(opening, OPENING_TOKENS, do_sample=False)}\n```"
-        for opening in OPENINGS
-    )
     return samples
 
 
-def count_python_looking(out: Path) -> dict[str, int]:
-    """How many greedy completions of the judged openings look like Python (no penalty)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out).float().eval()
-    counts = {}
+def judge_greedy_completions(tok, model) -> dict[str, int | str]:
+    """How many greedy completions of the judged openings look like Python (no penalty), and
+    the test openings' completions verbatim for the card."""
+    info: dict[str, int | str] = {}
     for name, openings in (("test", demo_loops.TEST_OPENINGS), ("more", demo_loops.MORE_OPENINGS)):
-        judged = demo_loops.judge_openings(model, tok, openings)
-        good = counts[f"looks_{name}"] = sum(not problems for _, problems in judged.values())
+        judged = demo_loops.judge_openings(model, tok, openings, OPENING_TOKENS)
+        good = info[f"looks_{name}"] = sum(not problems for _, problems in judged.values())
         log(f"greedy completions of {name} openings looking like Python: {good} of {len(openings)}")
-    return counts
+        if name == "test":
+            texts = (f"```text\n{text}\n```" for text, _ in judged.values())
+            info["sample_openings"] = "\n\n".join(texts)
+    return info
 
 
 # --------------------------------------------------------------------------------------------
@@ -857,7 +844,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.samples_of is not None:
-        for name, text in generate_samples(args.samples_of).items():
+        saved = load_saved(args.samples_of)
+        for name, text in {**generate_samples(*saved), **judge_greedy_completions(*saved)}.items():
             log(f"--- {name}\n{text}")
         return
     t_start = time.time()
@@ -898,9 +886,10 @@ def main(argv: list[str] | None = None) -> None:
     log(f"tokenizer: vocab {vocab}, trained in {tok_s:.1f} s, special ids {special}")
     eot_id, im_end_id = special[EOT], special[IM_END]
 
-    train_stream = encode_docs(tok, [t for _, t in train], eot_id)
-    eval_stream = encode_docs(tok, [t for _, t in heldout], eot_id)
-    code_eval_stream = encode_docs(tok, [strip_prose(t) for _, t in heldout], eot_id)
+    train_docs = encode_docs(tok, [t for _, t in train])
+    train_stream = join_docs(train_docs, eot_id)
+    eval_stream = join_docs(encode_docs(tok, [t for _, t in heldout]), eot_id)
+    code_eval_stream = join_docs(encode_docs(tok, [strip_prose(t) for _, t in heldout]), eot_id)
     byte_len = token_byte_lengths(tok)
     log(
         f"tokens: train {len(train_stream):,}, held-out {len(eval_stream):,} "
@@ -975,9 +964,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = [tok.encode(line).ids for line in demo_loops.opening_lines([t for _, t in train])]
     judged = demo_loops.TEST_OPENINGS + demo_loops.MORE_OPENINGS
     avoid = frozenset(tuple(tok.encode(opening).ids) for opening in judged)
-    rollouts = demo_loops.RolloutPrefixes(
-        split_docs(train_stream, eot_id), lines, args.seed + 1, avoid
-    )
+    rollouts = demo_loops.RolloutPrefixes(train_docs, lines, args.seed + 1, avoid)
     budget_s = args.time_budget_min * 60 if args.time_budget_min else None
     for step in range(args.steps):
         time_fraction = (time.time() - t_train) / budget_s if budget_s else None
@@ -1053,7 +1040,8 @@ def main(argv: list[str] | None = None) -> None:
     code_ev = evaluate(model, code_eval_stream, byte_len, args.seq_len, eot_id)
     log(f"held-out without docstrings and comments: {code_ev['bpb']:.4f} bits/byte")
 
-    samples = generate_samples(out)
+    saved = load_saved(out)
+    samples = {**generate_samples(*saved), **judge_greedy_completions(*saved)}
     log("greedy sample:\n" + samples["sample_greedy"])
     log("temperature 0.7 sample:\n" + samples["sample_temp"])
     log(f"fim middle: {samples['sample_fim']!r}")
@@ -1121,7 +1109,6 @@ def main(argv: list[str] | None = None) -> None:
         "unlikelihood": args.unlikelihood,
         "rollout_batch": args.rollout_batch,
         "rollout_tokens": args.rollout_tokens,
-        **count_python_looking(out),
     }
     write_model_card(out, info)
     total_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
