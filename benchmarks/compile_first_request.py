@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", args.model]
+    command = [sys.executable, "-m", "nanoserve.cli.main", "serve", "--model", args.model]
     command += ["--port", str(port), "--compile", "--log-level", "warning"]
     with tempfile.TemporaryFile() as log:
         started = time.perf_counter()

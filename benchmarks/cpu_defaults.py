@@ -22,10 +22,10 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.bench.machine import measure_read_bandwidth_gb_s
-from nanoserve.engine.attention.eager import decode_group_attention
-from nanoserve.engine.cpu_linear import PackedLinearMethod, decode_gemv, pack, packed_linear
-from nanoserve.engine.layers.cpu_fused import use_fused_cpu_ops
-from nanoserve.testing import make_tiny_checkpoint
+from nanoserve.core.attention.eager import decode_group_attention
+from nanoserve.platforms.cpu.fused_ops import use_fused_cpu_ops
+from nanoserve.platforms.cpu.linear import PackedLinearMethod, decode_gemv, pack, packed_linear
+from tests.tiny_checkpoints import make_tiny_checkpoint
 
 QWEN3_06B = "Qwen/Qwen3-0.6B"
 # Qwen3-0.6B: per layer q/k/v (1024 -> 4096), o (2048 -> 1024), gate/up/down (1024 <-> 3072).

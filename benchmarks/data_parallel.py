@@ -49,7 +49,7 @@ OUTPUT_ROOT = Path(__file__).resolve().parent / "results"
 def serving(model: Path, flags: list[str], log_path: Path) -> Iterator[str]:
     """`nanoserve serve` with the user's defaults plus `flags`; yields its URL once healthy."""
     port = free_port()
-    argv = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(model),
+    argv = [sys.executable, "-m", "nanoserve.cli.main", "serve", "--model", str(model),
             "--port", str(port), "--max-model-len", "2048", *flags]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,

@@ -32,9 +32,9 @@ from nanoserve.bench.arms import free_port
 from nanoserve.bench.client import completion_body, run_phase
 from nanoserve.bench.metrics import summarize
 from nanoserve.bench.models import ALLOWED_OUTPUT_IDS, decode_weight_bytes, make_dummy_checkpoint
-from nanoserve.config import EngineConfig
-from nanoserve.engine.engine import Engine
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.common.config import EngineConfig
+from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.core.engine import Engine
 
 CONCURRENCY = (8, 32, 128)
 PROMPT_LEN, OUTPUT_LEN = 128, 128
@@ -169,7 +169,7 @@ def bench_server(model_dir: Path, device: torch.device, out_dir: Path) -> dict:
     """`nanoserve serve` on this device and SERVE_CLIENTS concurrent streaming clients."""
     port = free_port()
     command = [
-        sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(model_dir),
+        sys.executable, "-m", "nanoserve.cli.main", "serve", "--model", str(model_dir),
         "--port", str(port), "--device", device.type, "--max-model-len", "4096",
         "--served-model-name", "bench", "--log-level", "warning",
     ]  # fmt: skip

@@ -117,7 +117,7 @@ def _task_yamls(directory: Path) -> dict[str, str]:
 def start_server(model: Path, port: int, log_path: Path) -> subprocess.Popen:
     """`nanoserve serve` in float32 (the same arithmetic as the transformers side)."""
     argv = [
-        sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(model), "--port",
+        sys.executable, "-m", "nanoserve.cli.main", "serve", "--model", str(model), "--port",
         str(port), "--dtype", "float32", "--served-model-name", "demo",
     ]  # fmt: skip
     process = subprocess.Popen(argv, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)

@@ -116,8 +116,8 @@ def make_prompts(num_prompts: int, seed: int) -> list[list[int]]:
 
 
 def load_nanoserve(model_dir: Path, compile_decode: bool):
-    from nanoserve.config import EngineConfig
-    from nanoserve.engine.engine import Engine
+    from nanoserve.common.config import EngineConfig
+    from nanoserve.core.engine import Engine
 
     config = EngineConfig(
         model=str(model_dir),
@@ -132,7 +132,7 @@ def load_nanoserve(model_dir: Path, compile_decode: bool):
 
 def run_nanoserve(engine, name: str, prompts: list[list[int]], output_len: int, at_once: bool):
     """Run `prompts` through the engine, all at once or one after another, timing every step."""
-    from nanoserve.sampling_params import SamplingParams
+    from nanoserve.common.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     groups = [list(range(len(prompts)))] if at_once else [[i] for i in range(len(prompts))]

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from nanoserve.bench.models import make_dummy_checkpoint
-from nanoserve.config import EngineConfig
-from nanoserve.engine.engine import Engine
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.common.config import EngineConfig
+from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.core.engine import Engine
 
 MODELS = {"tiny": "tiny", "0.6b": "qwen3-0.6b"}
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "nanoserve" / "bench-models"

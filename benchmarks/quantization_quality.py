@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.checkpoint import DEMO_MODEL_DIR
-from nanoserve.config import EngineConfig
-from nanoserve.engine.attention.metadata import build_attention_metadata
-from nanoserve.engine.engine import Engine
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.testing import make_fp8_checkpoint
-from nanoserve.tokenizer import load_tokenizer
+from nanoserve.common.checkpoint import DEMO_MODEL_DIR
+from nanoserve.common.config import EngineConfig
+from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.core.attention.metadata import build_attention_metadata
+from nanoserve.core.engine import Engine
+from nanoserve.text.tokenizer import load_tokenizer
+from tests.tiny_checkpoints import make_fp8_checkpoint
 
 PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:", "for i in range(")
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"

@@ -64,7 +64,7 @@ def worker_pid(front_pid: int) -> int:
 
 
 def start_server(model: Path, port: int, log_path: Path, extra: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(model)]
+    command = [sys.executable, "-m", "nanoserve.cli.main", "serve", "--model", str(model)]
     command += ["--port", str(port), "--log-level", "warning", *extra]
     log = open(log_path, "wb")  # noqa: SIM115 - the server's lifetime
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

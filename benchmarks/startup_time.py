@@ -53,7 +53,16 @@ def measure(model: str, timeout_s: float, new_machine: bool) -> tuple[float, flo
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if new_machine:
         env["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="nanoserve-kernels-")
-    argv = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", model, "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "nanoserve.cli.main",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+    ]
     started = time.monotonic()
     process = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True

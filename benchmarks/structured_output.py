@@ -78,7 +78,7 @@ def bench_llguidance(tokenizer, tokens: list[int], eos: int) -> None:
     import llguidance.hf
     import llguidance.numpy
 
-    from nanoserve.structured_outputs import JSON_OPTIONS
+    from nanoserve.structured_output.grammars import JSON_OPTIONS
 
     started = time.perf_counter()
     ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=VOCAB_SIZE, eos_token=[eos])
@@ -132,7 +132,7 @@ def bench_xgrammar(tokenizer, tokens: list[int], eos: int) -> None:
 
 
 def run_engines(args: argparse.Namespace) -> None:
-    from nanoserve.tokenizer import load_tokenizer
+    from nanoserve.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -144,7 +144,7 @@ def run_engines(args: argparse.Namespace) -> None:
 
 def model_dir_with_tokenizer(tokenizer_dir: Path) -> Path:
     """The 0.6B preset's config.json beside the real tokenizer (weights: --load-format dummy)."""
-    from nanoserve.checkpoint import make_dummy_model_dir
+    from nanoserve.common.checkpoint import make_dummy_model_dir
 
     directory = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-"))
     shutil.copyfile(
@@ -160,8 +160,8 @@ class Timers:
     waiting for them after the forward pass, and applying them in the sampler."""
 
     def __init__(self, engine) -> None:
-        from nanoserve.engine import sampler
-        from nanoserve.engine.structured import manager
+        from nanoserve.core import sampler
+        from nanoserve.structured_output import manager
 
         self.fill: list[float] = []
         self.wait: list[float] = []
@@ -194,7 +194,7 @@ def decode_step_times(
     engine, num_requests: int, schema: dict | None, num_steps: int
 ) -> list[float]:
     """Decode-step times with `num_requests` running (after their prefill and grammar build)."""
-    from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+    from nanoserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 
     constraint = StructuredOutputsParams(json=schema) if schema is not None else None
     for i in range(num_requests):
@@ -219,7 +219,7 @@ def check_validity(engine, tokenizer, num_requests: int) -> int:
     """Run `num_requests` short-schema requests to the end; count invalid outputs."""
     import jsonschema
 
-    from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+    from nanoserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 
     constraint = StructuredOutputsParams(json=SHORT_SCHEMA)
     outputs: dict[str, list[int]] = {}
@@ -245,9 +245,9 @@ def check_validity(engine, tokenizer, num_requests: int) -> int:
 
 
 def run_overhead(args: argparse.Namespace) -> None:
-    from nanoserve.config import EngineConfig
-    from nanoserve.engine.engine import Engine
-    from nanoserve.tokenizer import load_tokenizer
+    from nanoserve.common.config import EngineConfig
+    from nanoserve.core.engine import Engine
+    from nanoserve.text.tokenizer import load_tokenizer
 
     model_dir = model_dir_with_tokenizer(Path(args.tokenizer))
     engine = Engine(

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for num_tokens, cost in communication_cost(args.preset).items():
         print(f"| {num_tokens} | {cost['all_reduce_ms']:.3f} | {cost['all_reduces_per_step']} | "
               f"{cost['step_ms']:.2f} |")  # fmt: skip
-    serve = f"{sys.executable} -m nanoserve.cli serve --model {{model}} --port {{port}} " \
+    serve = f"{sys.executable} -m nanoserve.cli.main serve --model {{model}} --port {{port}} " \
         "--max-model-len 2048"  # fmt: skip
     # Each arm's command sets its own threads (the harness's OMP_NUM_THREADS is overridden).
     return bench_main([

@@ -17,7 +17,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from nanoserve.sampling_params import SamplingParams
+        from nanoserve.common.sampling_params import SamplingParams
 
         return SamplingParams
     if name in ("CompletionOutput", "RequestOutput"):

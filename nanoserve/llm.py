@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import itertools
 
-from nanoserve.checkpoint import DEMO_MODEL_NAME, load_generation_defaults, resolve_tokenizer
-from nanoserve.config import EngineConfig
-from nanoserve.engine.engine import Engine
-from nanoserve.output_processor import ChoiceState, OutputProcessor, PositionLogprobs
+from nanoserve.common.checkpoint import DEMO_MODEL_NAME, load_generation_defaults, resolve_tokenizer
+from nanoserve.common.config import EngineConfig
+from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.core.engine import Engine
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.structured_outputs import check_constraint
-from nanoserve.tokenizer import load_tokenizer
+from nanoserve.structured_output.grammars import check_constraint
+from nanoserve.text.output_processor import ChoiceState, OutputProcessor, PositionLogprobs
+from nanoserve.text.tokenizer import load_tokenizer
 
 PromptType = str | list[int]
 

@@ -27,7 +27,7 @@ else
     || { echo "installing the carried wheels failed (see install.log)"; exit 1; }
   export PYTHONPATH="/tmp/site:$PWD"
 fi
-python3 -c "import nanoserve.server.app, nanoserve.engine.engine" \
+python3 -c "import nanoserve.server.app, nanoserve.core.engine" \
   || { echo "nanoserve does not import here"; exit 1; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec "${PYTHON:-python}" -m nanoserve.cli serve "$@"
+exec "${PYTHON:-python}" -m nanoserve.cli.main serve "$@"

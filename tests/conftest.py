@@ -5,7 +5,7 @@ while a test waits for /health)."""
 import pytest
 import torch
 
-from nanoserve.engine.cpu_kernels import load_cpu_kernels
+from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
 
 def pytest_collection_modifyitems(config, items):

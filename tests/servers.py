@@ -50,7 +50,7 @@ class ServerProcess:
     """`nanoserve serve ...` as a subprocess on a free port, with its log in a file.
 
     `test_flags` adds a small fixed KV pool, quiet logs and a short shutdown grace; `command`
-    replaces `python -m nanoserve.cli` (e.g. the installed console script).
+    replaces `python -m nanoserve.cli.main` (e.g. the installed console script).
     """
 
     def __init__(
@@ -64,7 +64,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        argv = [*(command or [sys.executable, "-m", "nanoserve.cli"]), "serve"]
+        argv = [*(command or [sys.executable, "-m", "nanoserve.cli.main"]), "serve"]
         if model is not None:
             argv += ["--model", str(model)]
         argv += ["--port", str(self.port)]

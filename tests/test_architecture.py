@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tiny_checkpoints import make_tiny_checkpoint
+
 import nanoserve
-from nanoserve.testing import make_tiny_checkpoint
 
 PACKAGE_DIR = Path(nanoserve.__file__).parent
 MAX_MODULE_LINES = 400
@@ -23,11 +24,11 @@ MAX_ENGINE_CORE_LINES = 1200
 # ZMQ engine client; plus the chat client. Then list what got imported.
 FRONT_SCRIPT = """
 import json, sys
-from nanoserve.cli import build_parser, check_engine_config, engine_config_from_args
+from nanoserve.cli.main import build_parser, check_engine_config, engine_config_from_args
 from nanoserve.server.app import ServerConfig, create_app
-from nanoserve.server.engine_client import ZmqEngineClient
-from nanoserve.tokenizer import load_tokenizer
-import nanoserve.chat_client
+from nanoserve.client.engine_client import ZmqEngineClient
+from nanoserve.text.tokenizer import load_tokenizer
+import nanoserve.cli.chat
 
 args = build_parser().parse_args(["serve", "--model", sys.argv[1], "--max-model-len", "256"])
 config = engine_config_from_args(args, args.model)
@@ -49,8 +50,8 @@ def test_the_front_never_imports_the_engine(tmp_path: Path) -> None:
         check=True,
     )
     modules = json.loads(result.stdout.strip().splitlines()[-1])
-    assert "nanoserve.server.app" in modules and "nanoserve.checkpoint" in modules
-    assert [m for m in modules if m.startswith("nanoserve.engine")] == []
+    assert "nanoserve.server.app" in modules and "nanoserve.common.checkpoint" in modules
+    assert [m for m in modules if m.startswith("nanoserve.core")] == []
 
 
 def _python_files() -> list[Path]:
@@ -78,6 +79,6 @@ def test_no_function_is_over_60_lines() -> None:
 
 
 def test_the_engine_core_fits_in_one_sitting() -> None:
-    engine_dir = PACKAGE_DIR / "engine"
+    engine_dir = PACKAGE_DIR / "core"
     num_lines = sum(len((engine_dir / name).read_text().splitlines()) for name in ENGINE_CORE)
     assert num_lines <= MAX_ENGINE_CORE_LINES

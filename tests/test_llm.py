@@ -3,9 +3,9 @@
 import pytest
 import torch
 import transformers
+from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.testing import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_bad_parameters_raise_actionable_errors(llm):
 
 
 def test_llm_without_a_model_is_the_demo_model():
-    from nanoserve.checkpoint import DEMO_MODEL_DIR
+    from nanoserve.common.checkpoint import DEMO_MODEL_DIR
 
     default, named = LLM(), LLM("nanoserve-demo")
     assert default.engine.model_path == named.engine.model_path == DEMO_MODEL_DIR

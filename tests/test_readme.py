@@ -44,7 +44,7 @@ def test_the_serve_script_installs_then_serves():
     assert readme_command("scripts/serve.sh") == "scripts/serve.sh"
     serve_script = (ROOT / "scripts" / "serve.sh").read_text().splitlines()
     assert "bash scripts/install.sh" in serve_script
-    assert serve_script[-1] == 'exec "${PYTHON:-python}" -m nanoserve.cli serve "$@"'
+    assert serve_script[-1] == 'exec "${PYTHON:-python}" -m nanoserve.cli.main serve "$@"'
 
 
 @pytest.mark.slow
@@ -129,7 +129,7 @@ def test_the_offline_example_runs_as_written():
 
 
 def test_the_flag_table_lists_every_serve_flag():
-    from nanoserve.cli import build_parser
+    from nanoserve.cli.main import build_parser
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {

@@ -10,7 +10,7 @@ from pathlib import Path
 from nanoserve.bench import workloads
 from nanoserve.bench.arms import DEFAULT_VLLM_VENV
 from nanoserve.bench.models import PRESETS
-from nanoserve.help_format import DefaultsHelpFormatter
+from nanoserve.cli.help_format import DefaultsHelpFormatter
 
 DESCRIPTION = (
     "Serving benchmark: start each server, send every one the same requests, print one table."

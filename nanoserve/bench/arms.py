@@ -1,6 +1,6 @@
 """The servers a benchmark compares ("arms"): how to start each, wait for it, describe and stop it.
 
-nanoserve              the installed nanoserve: python -m nanoserve.cli serve
+nanoserve              the installed nanoserve: python -m nanoserve.cli.main serve
 hf                     the transformers baseline: python -m nanoserve.bench.hf_server
 vllm                   vLLM's CPU build in its own virtual environment (built on request)
 url=NAME=http://...    any OpenAI-compatible server that is already running
@@ -162,7 +162,7 @@ class Server:
 
     def _nanoserve_launch(self, env: dict) -> tuple[list[str], dict]:
         args = self.options.nanoserve_args
-        argv = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "{model}"]
+        argv = [sys.executable, "-m", "nanoserve.cli.main", "serve", "--model", "{model}"]
         argv += ["--host", "{host}", "--port", "{port}"]
         if "--max-model-len" not in args:  # as the vLLM arm gets it
             argv += ["--max-model-len", str(self.options.max_model_len)]
@@ -173,7 +173,7 @@ class Server:
             mode = "torch.compile'd decode steps (--compile)"
         else:
             mode = "eager (the default)"
-        return argv, {"server": "nanoserve (nanoserve.cli serve)", "mode": mode}
+        return argv, {"server": "nanoserve (nanoserve.cli.main serve)", "mode": mode}
 
     def _hf_launch(self, env: dict) -> tuple[list[str], dict]:
         argv = [sys.executable, "-m", "nanoserve.bench.hf_server", "--model", "{model}"]

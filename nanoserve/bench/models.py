@@ -23,7 +23,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-EOS_TOKEN_ID = 258  # <|im_end|> of nanoserve.byte_tokenizer
+EOS_TOKEN_ID = 258  # <|im_end|> of nanoserve.text.byte_tokenizer
 PAD_TOKEN_ID = 256  # <|endoftext|>
 
 _COMMON: dict[str, Any] = {
@@ -106,7 +106,7 @@ def make_dummy_checkpoint(directory: str | Path, preset: str, seed: int = 0) -> 
     """
     import transformers
 
-    from nanoserve.byte_tokenizer import save_byte_level_tokenizer
+    from nanoserve.text.byte_tokenizer import save_byte_level_tokenizer
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")

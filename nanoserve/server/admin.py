@@ -8,11 +8,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve import __version__
-from nanoserve.server.api_models import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from nanoserve.server.chat_prompt import check_template_kwargs
 from nanoserve.server.errors import APIError, error_body
 from nanoserve.server.http import json_response
 from nanoserve.server.metrics import CONTENT_TYPE
+from nanoserve.server.openai.api_models import (
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from nanoserve.server.openai.chat_prompt import check_template_kwargs
 from nanoserve.server.openapi import json_body_schema
 from nanoserve.server.request_body import read_json_body
 from nanoserve.server.state import ServerState, server_state

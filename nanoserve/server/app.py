@@ -14,13 +14,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from nanoserve import __version__
-from nanoserve.server import admin, chat, completions, responses
+from nanoserve.client.engine_client import EngineClient
+from nanoserve.server import admin
 from nanoserve.server.auth import ApiKeyMiddleware
-from nanoserve.server.engine_client import EngineClient
 from nanoserve.server.errors import install_error_handlers
 from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.openai import chat, completions, responses
+from nanoserve.server.openai.response_store import ResponseStore
 from nanoserve.server.request_body import ClientDisconnected
-from nanoserve.server.response_store import ResponseStore
 from nanoserve.server.state import ServerConfig, ServerState
 from nanoserve.server.tokenizer_pool import TokenizerPool
 

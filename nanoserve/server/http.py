@@ -16,11 +16,11 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from nanoserve.server.engine_client import EngineDeadError, RequestRejectedError
+from nanoserve.client.engine_client import EngineDeadError, RequestRejectedError
 from nanoserve.server.errors import APIError
+from nanoserve.server.openai.request_run import NamedEvent, RequestRun, sse_stream
+from nanoserve.server.openai.serving import service_unavailable
 from nanoserve.server.request_body import ClientDisconnected
-from nanoserve.server.request_run import NamedEvent, RequestRun, sse_stream
-from nanoserve.server.serving import service_unavailable
 from nanoserve.server.state import server_state
 
 R = TypeVar("R")

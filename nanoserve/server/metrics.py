@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from nanoserve.protocol import EngineStats
+from nanoserve.common.protocol import EngineStats
 
 # Metrics the worker's EngineStats feed: one series per data-parallel engine, as vLLM labels them.
 ENGINE_LABELS = ["model_name", "engine"]

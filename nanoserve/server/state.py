@@ -6,17 +6,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.server.tool_parsers import TOOL_PARSERS
+from nanoserve.server.openai.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:  # light to import: the command line reads ServerConfig's defaults
     from fastapi import Request
     from transformers import PreTrainedTokenizerBase
 
-    from nanoserve.server.chat import ChatServing
-    from nanoserve.server.completions import CompletionServing
-    from nanoserve.server.engine_client import EngineClient
+    from nanoserve.client.engine_client import EngineClient
     from nanoserve.server.metrics import ServerMetrics
-    from nanoserve.server.responses import ResponsesServing
+    from nanoserve.server.openai.chat import ChatServing
+    from nanoserve.server.openai.completions import CompletionServing
+    from nanoserve.server.openai.responses import ResponsesServing
     from nanoserve.server.tokenizer_pool import TokenizerPool
 
 

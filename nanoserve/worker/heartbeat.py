@@ -14,7 +14,7 @@ import threading
 
 import zmq
 
-from nanoserve.protocol import Heartbeat, worker_codec
+from nanoserve.common.protocol import Heartbeat, worker_codec
 
 
 class HeartbeatThread:

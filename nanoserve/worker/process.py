@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from nanoserve.config import EngineConfig
-from nanoserve.protocol import (
+from nanoserve.common.config import EngineConfig
+from nanoserve.common.protocol import (
     AbortRequests,
     AddRequest,
     Ready,

@@ -15,7 +15,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from nanoserve.config import EngineConfig
+from nanoserve.common.config import EngineConfig
 
 logger = logging.getLogger("nanoserve.worker")
 
@@ -49,9 +49,9 @@ def make_engine(config: EngineConfig, placement: RankPlacement):
     """Join the group (if any) and build this rank's engine: its shard of the model."""
     import torch
 
-    from nanoserve.engine.distributed.parallel import init_tensor_parallel
-    from nanoserve.engine.engine import Engine
-    from nanoserve.engine.loader import resolve_device
+    from nanoserve.core.engine import Engine
+    from nanoserve.core.loader import resolve_device
+    from nanoserve.distributed.parallel import init_tensor_parallel
 
     device = resolve_device(config.device)
     if (

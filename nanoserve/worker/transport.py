@@ -16,7 +16,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from nanoserve.protocol import front_codec, worker_codec
+from nanoserve.common.protocol import front_codec, worker_codec
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def test_servers_run_installed_modules_with_the_callers_pythonpath(tmp_path, mon
     monkeypatch.setenv("PYTHONPATH", "/some/where")
     options = ArmOptions(threads=1, max_model_len=256, startup_timeout_s=1, log_dir=tmp_path)
     argv, env, _ = Server(parse_arm("nanoserve"), tmp_path, options)._launch()
-    assert argv[:4] == [sys.executable, "-m", "nanoserve.cli", "serve"]
+    assert argv[:4] == [sys.executable, "-m", "nanoserve.cli.main", "serve"]
     assert env["PYTHONPATH"] == "/some/where"
     argv, env, _ = Server(parse_arm("hf"), tmp_path, options)._launch()
     assert argv[:3] == [sys.executable, "-m", "nanoserve.bench.hf_server"]

@@ -19,14 +19,14 @@ PIP_ENV = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INDEX": "
 # anything of a `benchmarks` package was imported.
 PROBE = """
 import contextlib, io, json, sys
-import nanoserve.cli
+import nanoserve.cli.main
 with contextlib.redirect_stdout(io.StringIO()):
     try:
-        nanoserve.cli.main(["bench", "--help"])
+        nanoserve.cli.main.main(["bench", "--help"])
     except SystemExit:
         pass
 benchmarks = [name for name in sys.modules if name.split(".")[0] == "benchmarks"]
-print(json.dumps({"file": nanoserve.cli.__file__, "benchmarks": benchmarks}))
+print(json.dumps({"file": nanoserve.cli.main.__file__, "benchmarks": benchmarks}))
 """
 
 
@@ -73,7 +73,7 @@ def test_bench_help_from_an_installed_wheel(tmp_path):
     empty.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}  # the installed copy, not this checkout
     run = subprocess.run(
-        [sys.executable, "-m", "nanoserve.cli", "bench", "--help"],
+        [sys.executable, "-m", "nanoserve.cli.main", "bench", "--help"],
         cwd=empty,
         env=env,
         capture_output=True,

@@ -19,7 +19,7 @@ def test_harness_end_to_end(tmp_path):
     """Both arms, every workload, a few requests each: the JSON has every field the table shows."""
     out = tmp_path / "results"
     command = [
-        sys.executable, "-m", "nanoserve.cli", "bench",
+        sys.executable, "-m", "nanoserve.cli.main", "bench",
         "--workload", "all", "--arm", "nanoserve", "--arm", "hf",
         "--preset", "test", "--model-dir", str(tmp_path / "model"),
         "--output-root", str(out), "--num-warmup", "2",
@@ -78,7 +78,7 @@ def test_harness_rounds_end_to_end(tmp_path):
     """--rounds 2: both servers up at once, one pooled table plus one table per round."""
     out = tmp_path / "results"
     command = [
-        sys.executable, "-m", "nanoserve.cli", "bench",
+        sys.executable, "-m", "nanoserve.cli.main", "bench",
         "--workload", "scoreboard", "shared-prefix", "--arm", "nanoserve", "--arm", "hf",
         "--rounds", "2", "--preset", "test", "--model-dir", str(tmp_path / "model"),
         "--output-root", str(out), "--num-warmup", "1", "--no-plots",
@@ -118,7 +118,7 @@ def test_failing_arms_fail_fast_and_keep_their_logs(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     dying = "cmd=dying=python -c 'print(\"boom on port {port}\"); raise SystemExit(3)'"
     command = [
-        sys.executable, "-m", "nanoserve.cli", "bench", "--workload", "scoreboard",
+        sys.executable, "-m", "nanoserve.cli.main", "bench", "--workload", "scoreboard",
         "--arm", f"url=silent={url}", "--arm", dying, "--url-timeout-s", "3",
         "--preset", "test", "--model-dir", str(tmp_path / "model"),
         "--output-root", str(tmp_path / "results"), "--no-plots",

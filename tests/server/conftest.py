@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from cycle_model import make_cycle_checkpoint
 from servers import API_KEY, ServerProcess
-
-from nanoserve.testing import make_tiny_checkpoint
+from tiny_checkpoints import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

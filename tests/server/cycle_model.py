@@ -10,8 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from nanoserve.testing import make_tiny_checkpoint
+from tiny_checkpoints import make_tiny_checkpoint
 
 CYCLE_TEXT = "\nHé世🎉!"  # every byte distinct, so "next byte" is a function of the byte
 

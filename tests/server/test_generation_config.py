@@ -13,7 +13,7 @@ import pytest
 import torch
 from servers import ServerProcess
 
-from nanoserve.tokenizer import load_tokenizer
+from nanoserve.text.tokenizer import load_tokenizer
 
 # Greedy by default, a strong repetition penalty, 5 new tokens unless the request says more.
 DEFAULTS = {"temperature": 0.0, "repetition_penalty": 1.8, "max_new_tokens": 5}

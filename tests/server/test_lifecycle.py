@@ -14,8 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from servers import ServerProcess
-
-from nanoserve.testing import make_tiny_checkpoint
+from tiny_checkpoints import make_tiny_checkpoint
 
 
 @contextlib.contextmanager

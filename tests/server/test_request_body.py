@@ -9,8 +9,8 @@ import time
 import pytest
 from servers import ServerProcess, read_metrics
 
-from nanoserve.server.api_models import CompletionRequest
 from nanoserve.server.errors import APIError
+from nanoserve.server.openai.api_models import CompletionRequest
 from nanoserve.server.request_body import check_media_type, parse_json_body
 
 DISCONNECTED = "vllm:http_requests_client_disconnected_total"

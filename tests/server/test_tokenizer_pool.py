@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 from servers import ServerProcess
+from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.server.tokenizer_pool import TokenizerPool
-from nanoserve.testing import make_tiny_checkpoint
-from nanoserve.tokenizer import load_tokenizer
+from nanoserve.text.tokenizer import load_tokenizer
 
 HUGE_CHARS = 2_000_000  # ~ seconds of tokenizing with the byte-level tokenizer
 

@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_checkpoints import make_tiny_checkpoint
 
-from nanoserve.config import EngineConfig
-from nanoserve.protocol import (
+from nanoserve.common.config import EngineConfig
+from nanoserve.common.protocol import (
     AbortRequests,
     AddRequest,
     EngineStats,
@@ -20,8 +21,7 @@ from nanoserve.protocol import (
     Shutdown,
     StepOutputs,
 )
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.testing import make_tiny_checkpoint
+from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.worker.process import IDLE_POLL_S, WorkerProcess, serve_engine
 from nanoserve.worker.transport import FrontSockets, IpcDirectory
 

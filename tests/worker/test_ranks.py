@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 from servers import ServerProcess, free_port
+from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineConfig
-from nanoserve.testing import make_tiny_checkpoint
+from nanoserve.common.config import EngineConfig
 from nanoserve.worker.ranks import local_ranks, rendezvous_address
 
 pytestmark = pytest.mark.slow

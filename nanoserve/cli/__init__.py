@@ -1,0 +1,2 @@
+"""The command line: `nanoserve serve`, `nanoserve chat` (the terminal client) and
+`nanoserve bench`."""

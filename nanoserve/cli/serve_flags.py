@@ -1,0 +1,182 @@
+"""`nanoserve serve`'s flags for HTTP (address, key, limits, timeouts), speed (compile, eager,
+quantization) and parallelism (tensor-parallel ranks on one or several machines); cli.py adds
+the model and engine-limit flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from typing import Any
+
+from nanoserve.client.prefix_router import ROUTINGS
+from nanoserve.common.config import QUANTIZATIONS, EngineConfig
+from nanoserve.common.protocol import DEFAULT_WORKER_TIMEOUT_S
+from nanoserve.server.state import ServerConfig
+
+_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_SIZE_UNITS.update({"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40})
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MB', '1e9' or '1073741824' -> a number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4GiB, 512MB)")
+    try:
+        value = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be > 0 bytes, got {text!r}")
+    return int(value)
+
+
+def config_default(config_class: type, name: str) -> Any:
+    """The default of field `name` of a config dataclass: the CLI keeps no second copy."""
+    return {f.name: f.default for f in dataclasses.fields(config_class)}[name]
+
+
+def add_http_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="name(s) clients use in the `model` field; the first is reported in responses "
+        "(default: the --model value)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("NANOSERVE_API_KEY"),
+        help="require 'Authorization: Bearer <key>' on every path under /v1 (default: "
+        "$NANOSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat template (as text, never a path)",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="answer 503 with Retry-After when this many engine requests (prompts x n) wait "
+        "for their first token",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may take to finish on SIGINT/SIGTERM; then streams "
+        "end with an error frame and [DONE], and the worker gets as long again to exit",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="log level of the server and the worker",
+    )
+    add_limit_and_timeout_flags(parser)
+
+
+def add_limit_and_timeout_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-body-bytes", type=parse_bytes,
+        default=config_default(ServerConfig, "max_body_bytes"),
+        help="largest request body, e.g. 32MiB (413 beyond)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        help="longest prompt text, checked before tokenizing (400 beyond; default: what "
+        "max_model_len tokens of the vocabulary's longest token could hold)",
+    )
+    for flag, field, what in (
+        ("--header-timeout", "header_timeout_s", "a connection's request line and headers"),
+        ("--body-timeout", "body_timeout_s", "a request's body, once its headers are in (408)"),
+        ("--send-timeout", "send_timeout_s", "a client that reads nothing while its send "
+         "buffer is full; then it is disconnected and its requests aborted"),
+    ):  # fmt: skip
+        parser.add_argument(
+            flag, type=float, default=config_default(ServerConfig, field),
+            help=f"seconds allowed for {what}",
+        )  # fmt: skip
+    parser.add_argument(
+        "--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT_S,
+        help="seconds without a heartbeat from the model worker before it is deemed hung: "
+        "in-flight requests end with an error and the worker is killed and restarted",
+    )  # fmt: skip
+
+
+def add_speed_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile",
+        dest="compile_decode",
+        action="store_true",
+        help="torch.compile the decode step: faster per token on CPU, but it compiles for tens "
+        "of seconds (minutes for billion-parameter models on few cores) at start-up, and on "
+        "CPU keeps a second copy of the bf16 linear weights",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="int8: weight-only int8 linears (per output channel; activations stay in the model "
+        "dtype). FP8 checkpoints (quantization_config in config.json) need no flag (default: "
+        "none, the model dtype)",
+    )
+    parser.add_argument(
+        "--no-quantize-lm-head",
+        dest="quantize_lm_head",
+        action="store_false",
+        help="with --quantization, keep the LM head in the model dtype",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="launch every step eagerly: no CUDA graphs on CUDA, no torch.compile on CPU "
+        "(even with --compile)",
+    )
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int,
+        default=config_default(EngineConfig, "tensor_parallel_size"),
+        help="split the model across this many worker processes (one per GPU on CUDA; gloo "
+        "on CPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-parallel-size", "-dp", type=int,
+        default=config_default(EngineConfig, "data_parallel_size"),
+        help="run this many independent engines (each with its own copy of the model and KV "
+        "cache, each tensor parallel if asked) behind one front, on this machine",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-parallel-routing", choices=ROUTINGS, default="prefix",
+        help="how a request's engine is chosen: prefix (the engine that saw the prompt's "
+        "longest prefix, unless it is much busier; else the least loaded), least-loaded, or "
+        "round-robin",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nnodes", type=int, default=config_default(EngineConfig, "nnodes"),
+        help="machines the tensor-parallel ranks run on (each runs tp / nnodes of them)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--node-rank", type=int, default=config_default(EngineConfig, "node_rank"),
+        help="this machine's index; node 0 serves HTTP, the others run with --headless",
+    )  # fmt: skip
+    parser.add_argument(
+        "--master-addr", default=config_default(EngineConfig, "master_addr"),
+        help="node 0's address, where the ranks meet",
+    )  # fmt: skip
+    parser.add_argument(
+        "--master-port", type=int,
+        help="the port the ranks meet on (required with --nnodes > 1; default: a free port)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's ranks of an engine whose front is on node 0",
+    )

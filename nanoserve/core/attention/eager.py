@@ -1,0 +1,174 @@
+"""The eager attention backend: plain PyTorch, on CPU and CUDA, the reference for the others.
+
+- decode tokens (one query per request) attend in one padded, batched pass over the gathered
+  contexts (`decode_group_attention`; a lone request through `F.scaled_dot_product_attention`);
+- prompt tokens attend request by request with `F.scaled_dot_product_attention` (CPU's flash
+  kernel), causal within the new tokens and over all of a cached prefix (`prompt_attention`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.core.attention.layer import AttentionBackend
+from nanoserve.core.attention.metadata import AttentionMetadata
+
+# (query [B, H, D], k_cache, v_cache, meta, scale) -> [B, H, D]: how decode tokens attend.
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+]
+
+
+class EagerAttention(AttentionBackend):
+    """Index-copy the new K/V into their slots, then attend with plain torch ops."""
+
+    name = "eager"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, scale, (k, v), self.attend_decodes)
+
+    def attend_decodes(
+        self,
+        query: torch.Tensor,  # [B, H, D]: one query token per request
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [B, H, D]
+        """How a step's decode tokens attend (subclasses may bring a kernel)."""
+        return decode_group_attention(query, k_cache, v_cache, meta, scale)
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T]: flat slot (block_id * block_size + offset) per token
+) -> None:
+    """Store each token's key and value in its slot of the pool."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's [T, Hkv, D] K and V
+    attend_decodes: DecodeAttention | None = None,  # default: decode_group_attention
+) -> torch.Tensor:  # [T, H, D]
+    """Attend every query token over its request's context in the pool.
+
+    `new_kv` (already written to the pool) lets a prompt with no cached prefix, whose context
+    is exactly its own new tokens, attend over them without gathering them back.
+    """
+    attend_decodes = attend_decodes or decode_group_attention
+    if meta.parts is not None:
+        decode, prompt = meta.parts
+        n = meta.num_decode_tokens
+        prompt_kv = None if new_kv is None else (new_kv[0][n:], new_kv[1][n:])
+        return torch.cat([
+            attend_decodes(query[:n], k_cache, v_cache, decode, scale),
+            prompt_attention(query[n:], k_cache, v_cache, prompt, scale, prompt_kv),
+        ])  # fmt: skip
+    if meta.is_decode_only:
+        return attend_decodes(query, k_cache, v_cache, meta, scale)
+    return prompt_attention(query, k_cache, v_cache, meta, scale, new_kv)
+
+
+def decode_group_attention(
+    query: torch.Tensor,  # [B, H, D]: one query token per request
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """Gather every request's context, padded to the longest, and attend in one batched pass.
+
+    The gather reads K/V rows straight into a head-major [B, Hkv, K, D] layout, so both products
+    are plain batched matmuls over (request, KV head), with no broadcast copies of the context.
+    """
+    assert meta.decode_slots is not None and meta.decode_mask is not None, "not a decode group"
+    num_requests, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    kv_heads = torch.arange(num_kv_heads, device=query.device)
+    # Row of each (request, KV head, key) in the cache viewed as [num_slots * Hkv, D].
+    rows = meta.decode_slots[:, None, :] * num_kv_heads + kv_heads[None, :, None]  # [B, Hkv, K]
+    context_shape, flat_rows = (*rows.shape, head_dim), rows.flatten()
+    # index_select copies whole rows: on CPU 3-10x faster than advanced indexing, same values.
+    k = k_cache.view(-1, head_dim).index_select(0, flat_rows).view(context_shape)  # [B, Hkv, K, D]
+    v = v_cache.view(-1, head_dim).index_select(0, flat_rows).view(context_shape)  # [B, Hkv, K, D]
+    # [B, H, D] -> [B, Hkv, group, D]: query heads grouped under the KV head they share.
+    q = query.view(num_requests, num_kv_heads, group, head_dim)
+    if num_requests == 1:  # one stream: SDPA's fused kernel is 2-4x the three ops below on CPU
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+        return out.reshape(num_requests, num_heads, head_dim)  # [1, H, D]
+
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, group, K]
+    scores = scores.masked_fill(~meta.decode_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [B, Hkv, group, D]
+    return out.reshape(num_requests, num_heads, head_dim)
+
+
+def prompt_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's [T, Hkv, D] K and V
+) -> torch.Tensor:  # [T, H, D]
+    """Request by request: gather the context (cached prefix + new tokens), then one SDPA call.
+
+    Without padding, a prompt chunk costs what its own queries and context cost, whatever else
+    runs in the step; CPU's flash kernel takes the mask and grouped heads as they are. A prompt
+    without a cached prefix attends over `new_kv` directly when given (no gather).
+    """
+    assert meta.prompt_masks is not None, "not a prompt group"
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
+    outputs = []
+    start = 0
+    for index, (num_queries, num_keys) in enumerate(
+        zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
+    ):
+        mask = meta.prompt_masks[index]
+        if mask is None and new_kv is not None:  # the context is the new tokens themselves
+            k = new_kv[0][start : start + num_queries]  # [K_i, Hkv, D]
+            v = new_kv[1][start : start + num_queries]
+        else:
+            blocks = meta.block_tables[index, : -(-num_keys // block_size)]
+            k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:num_keys]
+            v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:num_keys]
+        q = query[start : start + num_queries]  # [Q_i, H, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # [1, H, Q_i, D]
+            k.transpose(0, 1)[None],  # [1, Hkv, K_i, D]
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, H, Q_i, D]
+        outputs.append(out[0].transpose(0, 1))  # [Q_i, H, D]
+        start += num_queries
+    return torch.cat(outputs)

@@ -1,0 +1,63 @@
+"""The attention layer the model calls, and the interface every attention backend implements."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanoserve.core.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend:
+    """Writes one step's keys and values into a layer's paged cache, then attends over it."""
+
+    name = "abstract"
+    uses_eager_metadata = True  # whether it reads the eager backend's masks and gather indices
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        raise NotImplementedError
+
+
+class PagedAttention(nn.Module):
+    """Attention over the paged KV cache.
+
+    The model runner binds `k_cache`, `v_cache` and `backend` after allocating the pool
+    (`bind`); until then calling the layer is an error.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
+        self.v_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def bind(
+        self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, backend: AttentionBackend
+    ) -> None:
+        """Give the layer its slice of the KV pool and the backend that reads and writes it."""
+        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, D]
+        assert self.backend is not None and self.k_cache is not None and self.v_cache is not None, (
+            "KV cache not bound: the model runner binds it after allocating the pool"
+        )
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

@@ -1,0 +1,75 @@
+"""One step's flat batch, on the host: which tokens run, where their keys go, what is sampled.
+
+The runner flattens the scheduled tokens of every request into one sequence, one-token
+(decode) requests first so that attention can treat them apart from prompt chunks. The lists
+become device tensors for an eager forward pass, or go straight into a CUDA graph's buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoserve.core.prompt_logprobs import PromptLogprobRows
+from nanoserve.core.request import Request
+from nanoserve.core.scheduler import SchedulerOutput
+from nanoserve.platforms.cuda.cuda_graphs import DecodeInputs
+
+
+@dataclass
+class StepLayout:
+    """The flat batch of one step as Python lists (T tokens, B requests, S sampled)."""
+
+    input_ids: list[int] = field(default_factory=list)  # [T]
+    positions: list[int] = field(default_factory=list)  # [T]
+    slot_mapping: list[int] = field(default_factory=list)  # [T]: block_id * block_size + offset
+    query_lens: list[int] = field(default_factory=list)  # [B]
+    seq_lens: list[int] = field(default_factory=list)  # [B]: context length after this step
+    block_tables: list[list[int]] = field(default_factory=list)  # [B]
+    sample_rows: list[int] = field(default_factory=list)  # [S]: each sampling request's last row
+    sampling_requests: list[Request] = field(default_factory=list)  # [S]
+    prompt_logprob_rows: PromptLogprobRows = field(default_factory=PromptLogprobRows)  # [P]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    @property
+    def output_rows(self) -> list[int]:
+        """[S + P]: the rows the model finishes: those that sample, then those that score."""
+        return self.sample_rows + self.prompt_logprob_rows.rows
+
+    @property
+    def is_every_row_output(self) -> bool:
+        """Every row, in order, is output (decode-only steps): no selection is needed."""
+        return len(self.sample_rows) == len(self.input_ids) and not self.prompt_logprob_rows.rows
+
+    def decode_inputs(self) -> DecodeInputs:
+        """This decode-only step as a CUDA graph's inputs."""
+        assert self.is_decode_only
+        return DecodeInputs(
+            self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables
+        )
+
+
+def flatten_schedule(out: SchedulerOutput, block_size: int) -> StepLayout:
+    """Lay out the scheduled tokens of all requests as one batch, decodes first."""
+    num_tokens = out.num_scheduled_tokens
+    layout = StepLayout()
+    for request in sorted(out.requests, key=lambda r: num_tokens[r.request_id] > 1):
+        start = request.num_computed_tokens
+        end = start + num_tokens[request.request_id]
+        blocks = request.block_ids
+        layout.prompt_logprob_rows.add(request, start, end, first_row=len(layout.input_ids))
+        layout.input_ids.extend(request.all_token_ids[start:end])
+        layout.positions.extend(range(start, end))
+        layout.slot_mapping.extend(
+            blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
+        layout.query_lens.append(end - start)
+        layout.seq_lens.append(end)
+        layout.block_tables.append(blocks)
+        # The whole known sequence is cached after this step: sample the next token.
+        if end == request.num_tokens and not request.is_prompt_only:
+            layout.sample_rows.append(len(layout.input_ids) - 1)
+            layout.sampling_requests.append(request)
+    return layout

@@ -1,0 +1,26 @@
+// The Python module of nanoserve's CPU kernels (built by nanoserve/platforms/cpu/kernels.py).
+#include <torch/extension.h>
+
+at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales);
+at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight);
+bool bf16_gemv_is_vectorized();
+void set_gemv_prefetch(int64_t bytes);
+int64_t gemv_prefetch();
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale);
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> weight, double eps);
+at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor signed_sin);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_gemv", &int8_gemv, "[M, K] bf16 x [N, K] int8 weight * [N] scales -> [M, N]");
+  m.def("bf16_gemv", &bf16_gemv, "[M, K] bf16 x [N, K] bf16 weight -> [M, N] (M <= 8)");
+  m.def("bf16_gemv_is_vectorized", &bf16_gemv_is_vectorized, "built with AVX512-BF16?");
+  m.def("set_gemv_prefetch", &set_gemv_prefetch, "bytes the GEMVs prefetch ahead (0: none)");
+  m.def("gemv_prefetch", &gemv_prefetch, "the GEMVs' prefetch distance in bytes");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query token per request attending over its paged K/V context");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [T, H, D], weight optional");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] (gate, then up) -> [T, I]");
+  m.def("rotary", &rotary, "neox-style rotary embedding of [T, H, D] by [T, 1, D] cos/sin");
+}

@@ -1,0 +1,148 @@
+// Elementwise steps of a decoder layer, each one pass over its rows instead of the 5-8 torch
+// ops (and as many dispatches and temporaries) the plain PyTorch code takes. On CPU a decode
+// step's rows are short (one token of 1024 values), so the plain ops cost their dispatch, not
+// their arithmetic: see nanoserve/platforms/cpu/fused_ops.py.
+//
+// They reproduce PyTorch's roundings: bfloat16 inputs are computed in float32 and rounded to
+// bfloat16 wherever the plain ops round (so RMSNorm differs only in the order of the float32
+// sum of squares, and silu_mul only in its exp, within about an ulp of PyTorch's). Built with
+// -ffp-contract=off: no a*b+c is fused into one rounding.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "simd.h"
+
+namespace {
+
+// Rows per thread below which a call stays on the calling thread (decode steps).
+constexpr int64_t GRAIN = 64;
+
+template <typename T>
+float to_float(T v) { return static_cast<float>(v); }
+
+// out = round(x / rms(x)) * weight, over one row of D values (the weight optional).
+template <typename T>
+void rms_norm_row(const T* x, const T* weight, T* out, int64_t D, float eps) {
+  float sum = 0.f;
+  for (int64_t d = 0; d < D; ++d) sum += to_float(x[d]) * to_float(x[d]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(D) + eps);
+  for (int64_t d = 0; d < D; ++d) {
+    const T normalized = static_cast<T>(to_float(x[d]) * inv);  // rounded to x's dtype
+    out[d] = weight ? static_cast<T>(to_float(normalized) * to_float(weight[d])) : normalized;
+  }
+}
+
+// out = x * cos + [x2, x1] * signed_sin over one head of D values, each product rounded.
+template <typename T>
+void rotary_row(const T* x, const T* cos, const T* sin, T* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const T swapped = d < half ? x[d + half] : x[d - half];
+    const T a = static_cast<T>(to_float(x[d]) * to_float(cos[d]));
+    const T b = static_cast<T>(to_float(swapped) * to_float(sin[d]));
+    out[d] = static_cast<T>(to_float(a) + to_float(b));
+  }
+}
+
+// out = round(round(silu(gate)) * up) over one row of I values (gate and up side by side).
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
+  int64_t i = 0;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    for (; i + 16 <= I; i += 16) {
+      const __m512 g = load16(gate + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));  // exp(-g)
+      const __m512 silu = round_to(out, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      store16(out + i, _mm512_mul_ps(silu, load16(up + i)));
+    }
+  }
+#endif
+  for (; i < I; ++i) {  // the tail (all of it without AVX512-BF16)
+    const float g = to_float(gate[i]);
+    const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
+    out[i] = static_cast<T>(to_float(silu) * to_float(up[i]));
+  }
+}
+
+// [T, D] or [T, H, D] as [T, H, D] with each row of D contiguous (copied if it is not).
+at::Tensor as_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "expected [T, D] or [T, H, D]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "bfloat16 or float32 only");
+  const at::Tensor rows = x.dim() == 2 ? x.unsqueeze(1) : x;
+  return rows.stride(2) == 1 ? rows : rows.contiguous();
+}
+
+// Calls fn(row index r = t * H + h, pointer to row (t, h) of x) for every row of x [T, H, D]
+// (rows contiguous, any T/H strides), split across threads above GRAIN rows.
+template <typename T, typename Fn>
+void for_each_row(const at::Tensor& x, Fn fn) {
+  const int64_t H = x.size(1), st = x.stride(0), sh = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, x.size(0) * H, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(r, xp + (r / H) * st + (r % H) * sh);
+  });
+}
+
+}  // namespace
+
+// input [T, D] or [T, H, D] (any T/H strides), weight [D] or None -> the input's shape.
+at::Tensor rms_norm(at::Tensor input, c10::optional<at::Tensor> weight, double eps) {
+  const at::Tensor x = as_rows(input);
+  const int64_t D = x.size(2);
+  auto out = at::empty(input.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* w = nullptr;
+    if (weight.has_value()) {
+      TORCH_CHECK(weight->is_contiguous() && weight->numel() == D &&
+                  weight->scalar_type() == x.scalar_type());
+      w = weight->data_ptr<scalar_t>();
+    }
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_each_row<scalar_t>(x, [&](int64_t r, const scalar_t* row) {
+      rms_norm_row(row, w, op + r * D, D, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// gate_up [T, 2I] (gate, then up; any T stride) -> silu(gate) * up [T, I].
+at::Tensor silu_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "expected [T, 2I]");
+  const at::Tensor x = as_rows(gate_up);
+  const int64_t I = x.size(2) / 2;
+  auto out = at::empty({x.size(0), I}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_mul", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_each_row<scalar_t>(x, [&](int64_t r, const scalar_t* row) {
+      silu_mul_row(row, row + I, op + r * I, I);
+    });
+  });
+  return out;
+}
+
+// x [T, H, D] (any T/H strides), cos and signed_sin [T, 1, D] contiguous -> [T, H, D].
+at::Tensor rotary(at::Tensor input, at::Tensor cos, at::Tensor signed_sin) {
+  TORCH_CHECK(input.dim() == 3, "expected [T, H, D]");
+  const at::Tensor x = as_rows(input);
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == T * D &&
+              signed_sin.numel() == T * D && cos.scalar_type() == x.scalar_type() &&
+              signed_sin.scalar_type() == x.scalar_type() && D % 2 == 0);
+  auto out = at::empty({T, H, D}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary", [&] {
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = signed_sin.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_each_row<scalar_t>(x, [&](int64_t r, const scalar_t* row) {
+      const int64_t t = r / H;
+      rotary_row(row, cp + t * D, sp + t * D, op + r * D, D);
+    });
+  });
+  return out;
+}

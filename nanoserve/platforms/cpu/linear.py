@@ -1,0 +1,144 @@
+"""The CPU linear method: weights packed once into oneDNN's blocked layout for bf16 matmuls.
+
+`F.linear` on a plain bf16 weight makes oneDNN re-block the weight on every call. Packing it
+once at start-up (what inductor's freezing pass does, and vLLM's CPU backend) makes every product
+cheaper at every batch size, with bit-identical results (benchmarks/RESULTS.md, "Packed weights").
+
+Decode steps of up to `GEMV_MAX_ROWS` tokens are bound by how fast the weights stream from
+memory, and oneDNN's product streams them slower than our compiled GEMV (`csrc/gemv.cpp`, see
+`cpu_kernels`) streams the plain weight. Where that kernel is built, each layer keeps its plain
+weight beside the packed one: decode steps read the plain one, prefills and larger batches the
+packed one (so the linear weights take twice their memory; a tied LM head's plain weight is the
+embedding's, which lives on anyway).
+
+The packed weight is an opaque MKLDNN tensor; `torch.ops.mkldnn._linear_pointwise` multiplies
+by it. Under torch.compile it is called through the `nanoserve::packed_linear` custom op, so that
+inductor treats it as one extern kernel. With `--compile`, one-token products instead stream the
+plain weight as a float32 reduction (`one_token_linear`), which inductor fuses with its
+neighbours; the plain weight is then kept beside the packed one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import nn
+
+from nanoserve.core.layers.linear import DENSE, Linear, LinearMethod
+from nanoserve.platforms.cpu.kernels import load_cpu_kernels
+
+logger = logging.getLogger("nanoserve.cpu_linear")
+
+# The batch size oneDNN tunes the blocked layout for; any number of rows works with it.
+PACKING_BATCH_HINT = 8
+# Most tokens a product streams the plain weight for (the compiled GEMV): beyond this oneDNN's
+# packed product is as fast (benchmarks/RESULTS.md, "A bf16 GEMV").
+GEMV_MAX_ROWS = 4
+
+Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ([T, in], [out, in]) -> [T, out]
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """True for a bf16 weight on CPU when this torch build has oneDNN's packed linear."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> opaque MKLDNN [out, in]
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
+
+
+def packed_linear(
+    x: torch.Tensor,  # [T, in]
+    packed_weight: torch.Tensor,  # opaque MKLDNN [out, in]
+    bias: torch.Tensor | None,  # [out]
+) -> torch.Tensor:  # [T, out]
+    """x @ weight.T + bias with a packed weight, eager or compiled."""
+    if torch.compiler.is_compiling():
+        return torch.ops.nanoserve.packed_linear(x, packed_weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def one_token_linear(
+    x: torch.Tensor,  # [1, in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None,  # [out]
+) -> torch.Tensor:  # [1, out]
+    """x @ weight.T for a single token, written as a reduction for torch.compile.
+
+    Inductor turns this into one pass over the weights with float32 accumulation, fused with
+    the ops around it. Run eagerly it would materialise [out, in] floats: only use it compiled.
+    With more than one token inductor re-reads the weights per token, so batches take the packed
+    product.
+    """
+    out = (weight.float() * x.float()).sum(-1, keepdim=True).t().to(x.dtype)  # [1, out]
+    return out if bias is None else out + bias
+
+
+class PackedLinearMethod(LinearMethod):
+    """oneDNN-packed bf16 weights (`layer.packed_weight`); the plain one only if kept.
+
+    `gemv` is the compiled decode GEMV (None: every eager product is the packed one).
+    """
+
+    def __init__(self, keep_plain_weight: bool, gemv: Gemv | None = None) -> None:
+        self.keep_plain_weight = keep_plain_weight or gemv is not None
+        self.gemv = gemv
+
+    def process_weights(self, layer: Linear) -> None:
+        """Pack the weight; drop the plain one unless kept (a tied weight lives on elsewhere)."""
+        layer.packed_weight = pack(layer.weight)
+        if not self.keep_plain_weight:
+            layer.weight = None  # type: ignore[assignment]  # the packed copy replaces it
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if torch.compiler.is_compiling():
+            if x.shape[0] == 1 and layer.weight is not None:
+                return one_token_linear(x, layer.weight, layer.bias)
+        elif self.gemv is not None and 1 <= x.shape[0] <= GEMV_MAX_ROWS:
+            out = self.gemv(x, layer.weight)
+            return out if layer.bias is None else out + layer.bias
+        return packed_linear(x, cast(torch.Tensor, layer.packed_weight), layer.bias)
+
+
+def decode_gemv() -> Gemv | None:
+    """The compiled bf16 GEMV where it is built with this CPU's bf16 dot instructions."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.bf16_gemv_is_vectorized():
+        return None
+    return cast(Gemv, kernels.bf16_gemv)
+
+
+def install_packed_linears(model: nn.Module, keep_plain_weights: bool) -> int:
+    """Switch every packable Linear of `model` to packed weights; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    packable = [m for m in layers if m.method is DENSE and can_pack(m.weight)]
+    method = PackedLinearMethod(keep_plain_weights, decode_gemv() if packable else None)
+    for layer in packable:
+        layer.method = method
+        method.process_weights(layer)
+    if packable:
+        logger.info("packed %d of %d linear weights for oneDNN; decode steps by %s",
+                    len(packable), len(layers),
+                    "the compiled GEMV" if method.gemv else "the packed product")  # fmt: skip
+    return len(packable)
+
+
+@torch.library.custom_op("nanoserve::packed_linear", mutates_args=())
+def _packed_linear_op(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x, packed_weight, bias) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed_weight.shape[0])

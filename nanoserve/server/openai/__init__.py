@@ -1,0 +1,1 @@
+"""The OpenAI API family: completions, chat completions, the Responses API and tool calls."""

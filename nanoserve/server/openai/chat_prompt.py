@@ -1,0 +1,149 @@
+"""Chat messages to prompt token ids: what a request may pass to the chat template.
+
+Templates come from the checkpoint or from `--chat-template`, never from a file a request
+names. A request adds template *variables* only (`chat_template_kwargs`, e.g.
+`{"enable_thinking": false}`); the arguments of the template call itself — which template,
+whether to tokenize, tools, documents, padding, ... — are refused there, as vLLM refuses
+`chat_template` and `tokenize`. A request's own `chat_template` is refused unless the operator
+started the server with `--trust-request-chat-template`; then it is template text, never a path.
+Rendering runs on the tokenizer thread, and any error it raises on a client's input (a bad
+template, a recursive macro, content nested too deep) is a 400.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jinja2
+from transformers import PreTrainedTokenizerBase
+
+from nanoserve.server.errors import APIError
+from nanoserve.server.openai.api_models import ChatMessage
+from nanoserve.server.openai.chat_tools import templated_tool_calls
+from nanoserve.server.tokenizer_pool import TokenizerPool
+from nanoserve.text.tokenizer import render_chat_template
+
+# The parameters of transformers' apply_chat_template (whichever version is installed) and the
+# names its renderer gives the template itself: none of them is a template variable.
+RESERVED_TEMPLATE_ARGS = frozenset(
+    set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+    - {"self", "kwargs"}
+    | {"conversation", "messages", "tools", "documents", "chat_template", "tokenize"}
+)
+# What rendering a client's messages with a template can raise.
+RENDER_ERRORS = (
+    jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+    ZeroDivisionError, OverflowError, RecursionError,
+)  # fmt: skip
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: plain dicts, content never missing."""
+    rendered = []
+    for message in messages:
+        item = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            item["content"] = [p.model_dump(exclude_none=True) for p in message.content]
+        item.setdefault("content", "")
+        if "tool_calls" in item:
+            item["tool_calls"] = templated_tool_calls(item["tool_calls"])
+        rendered.append(item)
+    return rendered
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs`, if every key is a plain template variable (else a 400)."""
+    kwargs = dict(kwargs or {})
+    refused = sorted(RESERVED_TEMPLATE_ARGS.intersection(kwargs))
+    if refused:
+        raise APIError(
+            f"chat_template_kwargs may only set template variables; {', '.join(refused)} "
+            f"{'is an argument' if len(refused) == 1 else 'are arguments'} of the template call "
+            "itself and cannot be set by a request (a template of your own goes in the "
+            "top-level chat_template field, if the server allows it)",
+            400,
+            "chat_template_kwargs",
+        )
+    return kwargs
+
+
+def request_chat_template(chat_template: str | None, is_trusted: bool) -> str | None:
+    """The template text a request brings, if the server trusts request templates."""
+    if chat_template is None:
+        return None
+    if not is_trusted:
+        raise APIError(
+            "chat_template in a request is refused: this server renders its own chat template "
+            "(start it with --trust-request-chat-template to allow template text in requests)",
+            400,
+            "chat_template",
+        )
+    return chat_template  # text; transformers compiles it, nothing reads it as a path
+
+
+def num_content_chars(messages: list[ChatMessage]) -> int:
+    """Characters of the messages' text: the rendered prompt holds at least as many."""
+    total = 0
+    for message in messages:
+        if isinstance(message.content, str):
+            total += len(message.content)
+        elif message.content is not None:
+            total += sum(len(part.text or "") for part in message.content)
+    return total
+
+
+class PromptTooLongError(ValueError):
+    """The rendered prompt has more characters than the server takes."""
+
+
+async def render_chat_prompt(
+    pool: TokenizerPool,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    chat_template: str | None,
+    template_kwargs: dict[str, Any],
+    max_chars: int,
+) -> list[int]:
+    """The prompt's token ids, rendered and encoded on the tokenizer thread (400 on errors).
+
+    The rendered text is measured before it is tokenized: a template can make a short
+    conversation long.
+    """
+    args = (messages, add_generation_prompt, chat_template, template_kwargs, max_chars)
+    try:
+        return await pool.run(_render_and_encode, pool.tokenizer, *args)
+    except PromptTooLongError as e:
+        raise APIError(str(e), 400, "messages") from None
+    except RecursionError:
+        raise APIError(
+            "could not apply the chat template: it recursed too deeply (a recursive macro, or "
+            "message content nested too deep)",
+            400,
+            "messages",
+        ) from None
+    except RENDER_ERRORS as e:
+        raise APIError(f"could not apply the chat template: {e}", 400, "messages") from None
+
+
+def _render_and_encode(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    chat_template: str | None,
+    template_kwargs: dict[str, Any],
+    max_chars: int,
+) -> list[int]:
+    text = render_chat_template(
+        tokenizer,
+        template_messages(messages),
+        add_generation_prompt,
+        chat_template,
+        **template_kwargs,
+    )
+    if len(text) > max_chars:
+        raise PromptTooLongError(
+            f"the chat template rendered the messages to {len(text)} characters; this server "
+            f"takes at most {max_chars} characters per prompt (--max-prompt-chars)"
+        )
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,254 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API.
+
+A Responses request becomes a chat completion: `instructions` a system message, input items
+chat messages (`function_call` items an assistant turn's tool calls, `function_call_output`
+items tool messages), function tools chat tools, `text.format` a response_format. The chat
+path does the rest (template, tools, structured output, the tool parser); `OutputItems` turns
+its parsed output into output items and typed stream events. Stored responses (`store`, on by
+default) keep their conversation in a bounded `ResponseStore`, so that `previous_response_id`
+continues it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from nanoserve.server.errors import APIError, validation_error
+from nanoserve.server.http import respond
+from nanoserve.server.openai.api_models import ChatCompletionRequest
+from nanoserve.server.openai.chat import ChatServing
+from nanoserve.server.openai.chat_tools import ToolPlan
+from nanoserve.server.openai.request_run import NamedEvent, RequestRun
+from nanoserve.server.openai.response_output import OutputItems, new_id, response_body
+from nanoserve.server.openai.response_store import ResponseStore
+from nanoserve.server.openai.responses_models import ResponsesRequest
+from nanoserve.server.openai.tool_parsers import ParsedDelta, ToolParser
+from nanoserve.server.openapi import json_body_schema
+from nanoserve.server.request_body import read_json_body
+from nanoserve.server.state import server_state
+from nanoserve.text.output_processor import ChoiceState
+
+router = APIRouter()
+
+
+@router.post("/v1/responses", openapi_extra=json_body_schema(ResponsesRequest))
+async def create_response(request: Request) -> Response:
+    state = server_state(request)
+    body = await read_json_body(request, ResponsesRequest, state.config)
+    serving = state.responses
+    turn = await serving.start(body)
+    return await respond(
+        request, turn.run, body.stream, lambda: serving.events(turn), lambda: serving.response(turn)
+    )
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    state = server_state(request)
+    entry = state.responses.store.get(response_id)
+    if entry is None:
+        raise _not_found(response_id, "response_id")
+    return JSONResponse(entry.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    state = server_state(request)
+    if not state.responses.store.delete(response_id):
+        raise _not_found(response_id, "response_id")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _not_found(response_id: str, param: str) -> APIError:
+    return APIError(
+        f"no stored response with id {response_id!r} (unknown, deleted, not stored or evicted)",
+        404,
+        param,
+    )
+
+
+@dataclass
+class Turn:
+    """One Responses request in flight: its run, its tools and the conversation so far."""
+
+    request: ResponsesRequest
+    run: RequestRun
+    tools: ToolPlan
+    messages: list[dict[str, Any]]  # earlier turns and this input, as chat messages
+    response_id: str
+
+
+class ResponsesServing:
+    """Runs Responses requests through the chat path and keeps the stored ones."""
+
+    def __init__(self, chat: ChatServing, store: ResponseStore) -> None:
+        self.chat = chat
+        self.store = store
+
+    async def start(self, request: ResponsesRequest) -> Turn:
+        history: list[dict[str, Any]] = []
+        if request.previous_response_id is not None:
+            entry = self.store.get(request.previous_response_id)
+            if entry is None:
+                raise _not_found(request.previous_response_id, "previous_response_id")
+            history = entry.messages
+        if isinstance(request.input, str):
+            items: list[dict[str, Any]] = [{"role": "user", "content": request.input}]
+        else:
+            items = [item.model_dump(exclude_none=True) for item in request.input]
+        messages = history + items_to_messages(items)
+        try:
+            chat_request = ChatCompletionRequest.model_validate(chat_body(request, messages))
+        except ValidationError as e:
+            raise validation_error([dict(error) for error in e.errors()]) from None
+        run, tools = await self.chat.start(chat_request)
+        return Turn(request, run, tools, messages, new_id("resp"))
+
+    async def response(self, turn: Turn) -> dict[str, Any]:
+        async for _ in turn.run.updates():
+            pass
+        [choice] = turn.run.choices
+        output = OutputItems()
+        for parsed in _parsed(_parser(turn), choice.text, is_final=True):
+            output.add(parsed)
+        output.close()
+        return self._finish(turn, output.items, choice)
+
+    async def events(self, turn: Turn) -> AsyncIterator[NamedEvent]:
+        numbers = itertools.count()
+
+        def event(data: dict[str, Any]) -> NamedEvent:
+            return NamedEvent(data["type"], {**data, "sequence_number": next(numbers)})
+
+        started = self._body(turn, [], "in_progress")
+        yield event({"type": "response.created", "response": started})
+        yield event({"type": "response.in_progress", "response": started})
+        output, parser = OutputItems(), _parser(turn)
+        async for updates in turn.run.updates():
+            for update in updates:
+                for parsed in _parsed(parser, update.text, update.choice.is_finished):
+                    for data in output.add(parsed):
+                        yield event(data)
+        for data in output.close():
+            yield event(data)
+        final = self._finish(turn, output.items, turn.run.choices[0])
+        yield event({"type": f"response.{final['status']}", "response": final})
+
+    def _finish(
+        self, turn: Turn, output: list[dict[str, Any]], choice: ChoiceState
+    ) -> dict[str, Any]:
+        """The finished response; stored with its conversation when `store` is on."""
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        body = self._body(turn, output, status, _usage(turn.run, choice))
+        if turn.request.store:
+            self.store.put(body, turn.messages + items_to_messages(output))
+        return body
+
+    def _body(self, turn: Turn, output: list, status: str, usage: dict | None = None) -> dict:
+        body = response_body(
+            turn.response_id, turn.request, self.chat.model_name, output, status, usage
+        )
+        text = turn.request.text
+        if text is not None and text.format is not None:
+            body["text"] = {"format": text.format.model_dump(exclude_none=True, by_alias=True)}
+        return body
+
+
+def _parser(turn: Turn) -> ToolParser | None:
+    return turn.tools.make_parser() if turn.tools.make_parser is not None else None
+
+
+def _parsed(parser: ToolParser | None, text: str, is_final: bool) -> list[ParsedDelta]:
+    if parser is None:
+        return [ParsedDelta(content=text)]
+    return [parser.feed(text), *([parser.finish()] if is_final else [])]
+
+
+def _usage(run: RequestRun, choice: ChoiceState) -> dict[str, Any]:
+    usage = run.usage()
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input or output items as chat messages (a run of function calls: one assistant turn)."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = "system" if item.get("role") == "developer" else item.get("role", "user")
+            messages.append({"role": role, "content": _text(item.get("content"), "content")})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+            }  # fmt: skip
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:  # function_call_output
+            content = _text(item.get("output"), "output")
+            messages.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": content}
+            )
+    return messages
+
+
+def _text(content: Any, param: str) -> str:
+    """A message's text: a string, or its text parts joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") not in ("input_text", "output_text", "text"):
+            raise APIError(
+                f"only text input is served, got a {part.get('type')!r} part", 400, f"input.{param}"
+            )
+        texts.append(part.get("text") or "")
+    return "".join(texts)
+
+
+def chat_body(request: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completion request that answers a Responses request."""
+    system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    body: dict[str, Any] = {
+        "model": request.model, "messages": system + messages,
+        "max_tokens": request.max_output_tokens, "temperature": request.temperature,
+        "top_p": request.top_p, "seed": request.seed, "user": request.user,
+        "parallel_tool_calls": request.parallel_tool_calls,
+    }  # fmt: skip
+    if request.tools:
+        body["tools"] = [_chat_tool(tool) for tool in request.tools]
+    choice = request.tool_choice
+    if isinstance(choice, dict):
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    body["tool_choice"] = choice
+    text_format = request.text.format if request.text is not None else None
+    if text_format is not None and text_format.type == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif text_format is not None and text_format.type == "json_schema":
+        schema = {"name": text_format.name or "response", "schema": text_format.schema_}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    return {key: value for key, value in body.items() if value is not None}
+
+
+def _chat_tool(tool: Any) -> dict[str, Any]:
+    if tool.type != "function" or not tool.name:
+        raise APIError(
+            f"only function tools (with a name) are served, got a {tool.type!r} tool", 400, "tools"
+        )
+    function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+    return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}

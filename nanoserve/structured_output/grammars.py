@@ -1,0 +1,59 @@
+"""Structured-output constraints as llguidance grammars (torch-free: the front checks them too).
+
+A request's `StructuredOutputsParams` becomes one llguidance grammar here, in both processes:
+the front calls `check_constraint` so that a bad schema, regex or grammar is a 400 before
+anything reaches the worker; the worker (`nanoserve.structured_output`) builds its token
+matcher from `grammar_for`. llguidance was chosen over xgrammar by measurement (see
+benchmarks/RESULTS.md); it also imports without torch, which is what lets the front validate.
+
+JSON is written without free whitespace, with json.dumps' separators (`{"a": 1, "b": [2]}`):
+a model cannot wander in whitespace, and what it writes reads like OpenAI's JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+
+from nanoserve.common.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def grammar_for(constraint: StructuredOutputsParams) -> str:
+    """The llguidance grammar of `constraint` (not yet validated: see `check_constraint`)."""
+    kind = constraint.kind
+    try:
+        if kind == "json" or kind == "json_object":
+            schema = ANY_JSON_OBJECT if constraint.json is None else constraint.json
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        if kind == "regex":
+            assert constraint.regex is not None
+            return llguidance.LLMatcher.grammar_from_regex(constraint.regex)
+        if kind == "choice":
+            assert constraint.choice is not None
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choice)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        assert constraint.grammar is not None
+        return llguidance.grammar_from("grammar", constraint.grammar)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"invalid structured output {kind}: {e}") from None
+
+
+def check_constraint(constraint: StructuredOutputsParams) -> str:
+    """Compile and validate `constraint`; returns its grammar, raises ValueError if invalid."""
+    grammar = grammar_for(constraint)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(f"invalid structured output {constraint.kind}: {messages[0]}")
+    return grammar

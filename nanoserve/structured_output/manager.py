@@ -1,0 +1,131 @@
+"""Builds grammar matchers off the step loop and fills the step's token bitmask in the background.
+
+- `compile` returns a future: the tokenizer's token table (loaded once, on first use) and the
+  request's matcher are built on a thread, so a large schema never stalls the running batch.
+  The scheduler admits a constrained request only once its future is done.
+- `start_masks` fills one bitmask row per constrained request of a step on another thread while
+  the model's forward pass runs (llguidance releases the GIL); the runner waits for it only
+  when it samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+
+from nanoserve.common.sampling_params import StructuredOutputsParams
+from nanoserve.structured_output.grammar import GrammarState
+from nanoserve.structured_output.grammars import grammar_for
+
+if TYPE_CHECKING:
+    from nanoserve.core.request import Request
+
+logger = logging.getLogger("nanoserve.structured")
+
+
+@dataclass
+class GrammarMasks:
+    """One step's masks: which batch rows are constrained, and what to add to their logits."""
+
+    rows: list[int]  # [G]: rows of the step's sampling batch that have a grammar
+    bias: torch.Tensor  # [G, V] float32: 0 where the grammar allows the token, -inf elsewhere
+
+
+_NEG_INF_BITS = -8388608  # 0xFF800000 as an int32: the bits of float32 -inf
+
+
+def bias_from_bitmask(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask (bit t % 32 of int32 word t // 32 set = token t allowed) → [G, V].
+
+    An additive bias rather than a boolean mask: on CPU, adding it is several times faster
+    than `masked_fill`. It is built on the mask thread with operations that release the GIL
+    (a numpy fancy index would hold it and stall the forward pass's Python): allowed bits
+    become the float32 bits of 0.0, forbidden ones those of -inf.
+    """
+    # bitmask: [G, W] int32, little-endian words, so its bytes hold the bits in token order
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")  # [G, W * 32]
+    bits = torch.from_numpy(allowed[:, :vocab_size]).to(torch.int32)  # [G, V]: 1 or 0
+    return bits.sub_(1).bitwise_and_(_NEG_INF_BITS).view(torch.float32)  # [G, V]: 0.0 or -inf
+
+
+class StructuredOutputManager:
+    """The worker's grammar engine: one token table, matchers per request, masks per step."""
+
+    def __init__(self, tokenizer_dir: Path, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
+        self._compile_pool: ThreadPoolExecutor | None = None
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self._executor: llguidance.LLExecutor | None = None
+
+    def compile(self, constraint: StructuredOutputsParams) -> Future[GrammarState]:
+        """Start building the matcher of `constraint`; the future fails with a ValueError."""
+        if self._compile_pool is None:
+            self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        return self._compile_pool.submit(self._build, constraint)
+
+    def _build(self, constraint: StructuredOutputsParams) -> GrammarState:
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_for(constraint), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured output {constraint.kind}: {matcher.get_error()}")
+        return GrammarState(matcher)
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                from nanoserve.text.tokenizer import load_tokenizer
+
+                hf_tokenizer: Any = load_tokenizer(self.tokenizer_dir)  # a fast tokenizer
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
+            return self._ll_tokenizer
+
+    def start_masks(self, requests: list[Request]) -> Future[GrammarMasks] | None:
+        """Fill the masks of the constrained `requests` (the step's sampling rows) on a thread."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            self._executor = llguidance.LLExecutor()
+        grammars = [requests[i].grammar for i in rows]
+        return self._mask_pool.submit(self._fill_masks, rows, grammars)
+
+    def _fill_masks(self, rows: list[int], grammars: list[GrammarState | None]) -> GrammarMasks:
+        """The bitmask of every constrained row, as a [G, V] bias (all off the step loop)."""
+        num_words = (self.vocab_size + 31) // 32
+        bitmask = np.full((len(rows), num_words), -1, dtype=np.int32)  # [G, W]
+        matchers = [(g.matcher, k) for k, g in enumerate(grammars) if g is not None]
+        assert self._executor is not None
+        self._executor.unsafe_compute_mask_ptr(
+            matchers, bitmask.ctypes.data, num_words * 4, len(rows)
+        )
+        return GrammarMasks(rows, bias_from_bitmask(bitmask, self.vocab_size))
+
+    def shutdown(self) -> None:
+        for pool in (self._compile_pool, self._mask_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+
+def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> torch.Tensor:
+    """Set every token the grammar forbids to -inf, in the constrained rows (in place)."""
+    # logits: [B, V]; masks.bias: [G, V]
+    bias = masks.bias.to(logits.device, non_blocking=True)
+    if len(masks.rows) == logits.shape[0]:  # every row is constrained
+        return logits.add_(bias)
+    rows = torch.tensor(masks.rows, dtype=torch.long, device=logits.device)  # [G]
+    return logits.index_add_(0, rows, bias)

@@ -1,0 +1,81 @@
+"""The front's start-up checks: a busy port before the model loads, a KV budget the worker can
+use, computed without torch but equal to what the worker allocates."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tiny_checkpoints import make_tiny_checkpoint
+
+from nanoserve.cli.startup import bind_socket, check_kv_cache_memory, kv_block_bytes
+from nanoserve.common.checkpoint import load_model_config
+from nanoserve.common.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3")
+
+
+@pytest.fixture
+def busy_port() -> int:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
+def test_a_busy_port_names_the_flag_and_a_free_one(busy_port: int) -> None:
+    with pytest.raises(ValueError, match=rf"--port {busy_port} is already in use") as raised:
+        bind_socket("127.0.0.1", busy_port)
+    suggested = int(str(raised.value).rsplit("--port ", 1)[1])
+    bind_socket("127.0.0.1", suggested).close()  # the suggestion works
+
+
+def test_serve_reports_a_busy_port_before_the_model_loads(busy_port: int) -> None:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "nanoserve.cli.main", "serve", "--port", str(busy_port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"nanoserve serve: --port {busy_port} is already in use")
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "worker" not in done.stderr + done.stdout
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
+def test_the_front_computes_the_workers_block_size(tiny_checkpoint: Path, dtype: str) -> None:
+    from nanoserve.core.engine import Engine
+
+    config = EngineConfig(model=str(tiny_checkpoint), dtype=dtype, device="cpu", num_kv_blocks=4)
+    engine = Engine(config)
+    assert kv_block_bytes(config, load_model_config(tiny_checkpoint)) == (
+        engine.runner.kv_block_bytes
+    )
+
+
+def test_the_suggested_kv_budget_starts_the_engine(tiny_checkpoint: Path) -> None:
+    from nanoserve.core.engine import Engine
+
+    too_small = EngineConfig(
+        model=str(tiny_checkpoint), device="cpu", kv_cache_memory=2**17, max_model_len=512
+    )
+    model_config = load_model_config(tiny_checkpoint)
+    with pytest.raises(ValueError, match=r"kv_cache_memory \d+MiB would hold it") as raised:
+        check_kv_cache_memory(too_small, model_config)
+    suggested_mib = int(str(raised.value).rsplit("kv_cache_memory ", 1)[1].split("MiB")[0])
+    fixed = EngineConfig(
+        model=str(tiny_checkpoint), device="cpu", kv_cache_memory=suggested_mib * 2**20,
+        max_model_len=512,
+    )  # fmt: skip
+    check_kv_cache_memory(fixed, model_config)
+    assert Engine(fixed).kv_capacity_tokens >= 512

@@ -1,0 +1,31 @@
+"""Reading the CPU's bf16 support from /proc/cpuinfo (what `--dtype auto` depends on)."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import pytest
+
+from nanoserve.common.cpu_features import has_native_bf16
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile", True),  # Sapphire Rapids
+        ("flags\t\t: fpu sse avx2 amx_bf16", True),
+        ("flags\t\t: fpu sse avx2 avx512f avx512bw", False),  # Skylake: bf16 only emulated
+        ("Features\t: fp asimd bf16 i8mm", True),  # Arm with the BF16 extension
+        ("Features\t: fp asimd", False),
+    ],
+)
+def test_bf16_is_read_from_the_cpu_flags(tmp_path: Path, line: str, expected: bool) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: test\n{line}\n")
+    assert has_native_bf16(cpuinfo) is expected
+
+
+def test_a_missing_cpuinfo_is_not_an_error(tmp_path: Path) -> None:
+    apple_silicon = platform.system() == "Darwin" and platform.machine() == "arm64"
+    assert has_native_bf16(tmp_path / "absent") is apple_silicon

@@ -1,0 +1,61 @@
+"""The compiled bf16 GEMV (csrc/gemv.cpp): float32 sums of exact products, rounded once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.common.cpu_features import cpu_flags
+from nanoserve.platforms.cpu.kernels import load_cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    kernels = load_cpu_kernels()  # compiles on first use (the CI image has g++ and ninja)
+    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
+    return kernels
+
+
+def test_it_is_vectorized_where_the_cpu_has_bf16_dot_instructions(kernels):
+    assert kernels.bf16_gemv_is_vectorized() == ("avx512_bf16" in (cpu_flags() or []))
+
+
+# in_features: a multiple of the 128-weight step, one with a tail, one shorter than a step.
+@pytest.mark.parametrize("in_features", [1024, 1000, 40])
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_gemv_is_the_float32_product_rounded_once(kernels, in_features, rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(37, in_features, dtype=torch.bfloat16)  # an odd number of rows
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)  # [rows, in]
+    out = kernels.bf16_gemv(x, weight)  # [rows, 37]
+    assert out.shape == (rows, 37) and out.dtype == torch.bfloat16
+    expected = x.float() @ weight.float().T  # bf16 products are exact in float32
+    # One bf16 rounding of the float32 sums (which differ only in their order).
+    torch.testing.assert_close(out.float(), expected, atol=1e-4, rtol=2**-8)
+    torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=2**-7)
+
+
+def test_gemv_reads_strided_activations_and_refuses_nine_rows(kernels):
+    weight = torch.randn(16, 64, dtype=torch.bfloat16)
+    wide = torch.randn(2, 128, dtype=torch.bfloat16)
+    x = wide[:, ::2]  # not contiguous
+    assert torch.equal(kernels.bf16_gemv(x, weight), kernels.bf16_gemv(x.contiguous(), weight))
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        kernels.bf16_gemv(torch.randn(9, 64, dtype=torch.bfloat16), weight)
+    with pytest.raises(RuntimeError):
+        kernels.bf16_gemv(torch.randn(1, 64), weight)  # float32 activations
+
+
+def test_gemv_splits_rows_across_threads_without_changing_them(kernels):
+    weight = torch.randn(4099, 256, dtype=torch.bfloat16)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.bf16_gemv(x, weight)
+        torch.set_num_threads(2)
+        two = kernels.bf16_gemv(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each output is one thread's sum, in the same order

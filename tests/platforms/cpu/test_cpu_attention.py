@@ -1,0 +1,94 @@
+"""The default CPU attention backend: decode tokens through the C++ paged-decode kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.core.attention.eager import EagerAttention, decode_group_attention
+from nanoserve.core.attention.metadata import build_attention_metadata
+from nanoserve.platforms.cpu import kernels as cpu_kernels
+from nanoserve.platforms.cpu.attention import CpuKernelAttention
+from nanoserve.platforms.selector import select_attention_backend
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    kernels = cpu_kernels.load_cpu_kernels()  # the CI image has g++ and ninja
+    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
+    return kernels
+
+
+def decode_step(num_kv_heads: int, group: int, head_dim: int, block_size: int, dtype):
+    """A decode-only step of 4 requests: one key, one full block, contexts spanning blocks."""
+    torch.manual_seed(head_dim + group)
+    k_cache = torch.randn(40, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    seq_lens = [1, block_size, 3 * block_size + 1, 2 * block_size - 1]
+    tables = [[7], [3, 9], [30, 2, 11, 5], [39, 0]]  # the last request's spare block unused
+    meta = build_attention_metadata([1] * 4, seq_lens, tables, [0] * 4, block_size, CPU)
+    query = torch.randn(4, num_kv_heads * group, head_dim, dtype=dtype)
+    return query, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4])  # 3: a pair of heads, then one
+@pytest.mark.parametrize("head_dim", [128, 64, 40])  # 40: a tail past the 16-wide vectors
+def test_kernel_matches_the_eager_decode_in_float32(kernels, group, head_dim):
+    query, k_cache, v_cache, meta = decode_step(2, group, head_dim, 4, torch.float32)
+    got = kernels.paged_decode_attention(
+        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.3
+    )
+    expected = decode_group_attention(query, k_cache, v_cache, meta, 0.3)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 3])
+def test_kernel_in_bf16_is_the_float32_attention_rounded_once(kernels, block_size):
+    query, k_cache, v_cache, meta = decode_step(8, 2, 128, block_size, torch.bfloat16)
+    got = kernels.paged_decode_attention(
+        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.088
+    )
+    assert got.dtype == torch.bfloat16
+    expected = decode_group_attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.088)
+    torch.testing.assert_close(got.float(), expected, atol=1e-5, rtol=2**-8)
+
+
+def test_kernel_splits_requests_across_threads_without_changing_them(kernels):
+    query, k_cache, v_cache, meta = decode_step(2, 4, 64, 4, torch.bfloat16)
+    args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.paged_decode_attention(*args)
+        torch.set_num_threads(2)
+        two = kernels.paged_decode_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_kernel_refuses_a_context_longer_than_its_block_table(kernels):
+    query, k_cache, v_cache, meta = decode_step(2, 2, 64, 4, torch.float32)
+    too_long = meta.seq_lens.clone()
+    too_long[0] = 17  # tables of 4 blocks of 4 slots
+    with pytest.raises(RuntimeError, match="a context of 17 keys in 16 slots"):
+        kernels.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, too_long, 0.2)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.paged_decode_attention(
+            query.bfloat16(), k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.2
+        )
+
+
+def test_float16_decodes_keep_the_eager_path(kernels):
+    query, k_cache, v_cache, meta = decode_step(2, 2, 64, 4, torch.float16)
+    got = CpuKernelAttention(kernels).attend_decodes(query, k_cache, v_cache, meta, 0.2)
+    assert torch.equal(got, decode_group_attention(query, k_cache, v_cache, meta, 0.2))
+
+
+def test_cpu_engines_select_it_unless_the_kernels_are_off(monkeypatch):
+    assert isinstance(select_attention_backend(CPU, 16, 8), CpuKernelAttention)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
+    monkeypatch.setattr("nanoserve.platforms.selector.load_cpu_kernels", lambda: None)
+    assert type(select_attention_backend(CPU, 16, 8)) is EagerAttention

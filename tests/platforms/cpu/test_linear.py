@@ -1,0 +1,146 @@
+"""The CPU linear method: oneDNN-packed weights give F.linear's numbers, eager and compiled;
+decode steps stream the plain weight through the compiled GEMV."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_checkpoints import make_tiny_checkpoint
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.core.layers.linear import DENSE, Linear
+from nanoserve.platforms.cpu import linear as cpu_linear
+from nanoserve.platforms.cpu.linear import (
+    GEMV_MAX_ROWS,
+    PackedLinearMethod,
+    decode_gemv,
+    install_packed_linears,
+    one_token_linear,
+)
+
+
+def test_this_torch_build_can_pack_bf16_cpu_weights():
+    """The CPU wheels the project installs have oneDNN; without it every test below would fail."""
+    assert cpu_linear.can_pack(torch.zeros(1, dtype=torch.bfloat16))
+
+
+def _linear(bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+    torch.manual_seed(0)
+    layer = Linear(48, 40, bias=bias).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    return layer, weight, None if layer.bias is None else layer.bias.detach().clone()
+
+
+@pytest.fixture
+def without_gemv(monkeypatch):
+    """Every eager product by the packed weight, as where the GEMV is not built."""
+    monkeypatch.setattr(cpu_linear, "decode_gemv", lambda: None)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_bit_for_bit(bias, without_gemv):
+    layer, weight, bias_values = _linear(bias)
+    assert install_packed_linears(layer, keep_plain_weights=False) == 1
+    assert isinstance(layer.method, PackedLinearMethod)
+    assert layer.weight is None and layer.packed_weight is not None
+    for num_tokens in (1, 3, 17):
+        x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, weight, bias_values))
+
+
+def test_this_machine_has_the_decode_gemv():
+    """The CI image's CPU has AVX512-BF16; without it the test below would test nothing new."""
+    assert decode_gemv() is not None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_steps_stream_the_plain_weight_through_the_gemv(bias):
+    layer, weight, bias_values = _linear(bias)
+    install_packed_linears(layer, keep_plain_weights=False)
+    assert layer.method.gemv is not None
+    assert layer.weight is not None and layer.packed_weight is not None  # both kept
+    gemv, rows_seen = layer.method.gemv, []
+    layer.method.gemv = lambda x, w: rows_seen.append(len(x)) or gemv(x, w)
+    for num_tokens in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 17):
+        x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
+        expected = F.linear(x, weight, bias_values)
+        if num_tokens <= GEMV_MAX_ROWS:  # float32 sums in another order, one bf16 rounding
+            torch.testing.assert_close(layer(x), expected, atol=1e-3, rtol=2**-7)
+        else:  # the packed product, bit for bit
+            assert torch.equal(layer(x), expected)
+    assert rows_seen == [1, GEMV_MAX_ROWS]
+
+
+def test_packed_linear_under_torch_compile(without_gemv):
+    layer, weight, _ = _linear(bias=False)
+    install_packed_linears(layer, keep_plain_weights=False)
+    compiled = torch.compile(lambda x: layer(x * 2.0) + 1.0, dynamic=True)
+    with torch.inference_mode():
+        for num_tokens in (1, 5):
+            x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
+            expected = F.linear(x * 2.0, weight) + 1.0
+            torch.testing.assert_close(compiled(x), expected)
+
+
+def test_only_bf16_cpu_weights_are_packed():
+    layer = Linear(8, 4, bias=False)  # float32
+    assert install_packed_linears(layer, keep_plain_weights=False) == 0
+    assert layer.weight is not None and layer.method is DENSE
+
+
+def test_engine_packs_bf16_weights_and_generates_the_same_tokens(
+    tmp_path, monkeypatch, without_gemv
+):
+    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")  # tied embeddings
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (5, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+
+    llm = LLM(checkpoint, dtype="bfloat16")
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
+    assert all(isinstance(m.method, PackedLinearMethod) for m in linears)
+    assert model.model.embed_tokens.weight is not None  # the tied head's plain tensor lives on
+    packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    monkeypatch.setattr(cpu_linear, "can_pack", lambda weight: False)
+    plain_llm = LLM(checkpoint, dtype="bfloat16")
+    assert all(m.method is DENSE for m in plain_llm.engine.runner.model.modules()
+               if isinstance(m, Linear))  # fmt: skip
+    assert [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)] == packed
+
+
+def test_engine_decodes_through_the_gemv_and_keeps_the_plain_weights(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
+    llm = LLM(checkpoint, dtype="bfloat16")
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.method.gemv is not None and m.weight is not None for m in linears)
+    gemv, rows_seen = linears[0].method.gemv, []
+    linears[0].method.gemv = lambda x, w: rows_seen.append(len(x)) or gemv(x, w)
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    outputs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6]
+    assert 2 in rows_seen and max(rows_seen) <= GEMV_MAX_ROWS  # decode steps, not prefills
+
+
+@pytest.mark.slow
+def test_compiled_decode_keeps_the_plain_weight_for_one_token_steps(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path, "llama")
+    llm = LLM(checkpoint, dtype="bfloat16", compile_decode=True)  # compiles in warm-up
+    linears = [
+        m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)
+    ]  # fmt: skip
+    assert all(m.packed_weight is not None and m.weight is not None for m in linears)
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    for batch in ([[1, 2, 3]], [[1, 2, 3], [4, 5], [6] * 9]):  # one-token and batched decode
+        outputs = llm.generate(batch, params)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [6] * len(batch)
+
+
+def test_one_token_linear_matches_f_linear():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(1, 48), torch.randn(40, 48), torch.randn(40)
+    torch.testing.assert_close(one_token_linear(x, weight, bias), F.linear(x, weight, bias))
+    torch.testing.assert_close(one_token_linear(x, weight, None), F.linear(x, weight))

@@ -1,0 +1,107 @@
+"""A request's grammar state and the masks it gives, on the byte-level test tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_checkpoints import make_tiny_checkpoint
+
+from nanoserve.common.sampling_params import StructuredOutputsParams
+from nanoserve.structured_output.manager import (
+    GrammarMasks,
+    StructuredOutputManager,
+    apply_grammar_masks,
+    bias_from_bitmask,
+)
+
+EOS = 258  # <|im_end|> of the byte tokenizer
+VOCAB_SIZE = 320
+
+
+class FakeRequest:
+    def __init__(self, grammar) -> None:
+        self.grammar = grammar
+
+
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory: pytest.TempPathFactory) -> StructuredOutputManager:
+    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3")
+    return StructuredOutputManager(Path(checkpoint), VOCAB_SIZE, frozenset({EOS}))
+
+
+def allowed_ids(manager: StructuredOutputManager, grammar) -> set[int]:
+    future = manager.start_masks([FakeRequest(grammar)])
+    assert future is not None
+    bias = future.result(timeout=30).bias[0]
+    return set(torch.isfinite(bias).nonzero().flatten().tolist())
+
+
+def test_eos_is_allowed_only_when_the_grammar_is_complete(manager) -> None:
+    grammar = manager.compile(StructuredOutputsParams(regex="ab+")).result(timeout=60)
+    assert allowed_ids(manager, grammar) == {ord("a")}
+    assert grammar.accept(ord("a")) and not grammar.is_complete
+    assert allowed_ids(manager, grammar) == {ord("b")}  # no EOS yet: "a" is not a match
+    assert grammar.accept(ord("b")) and grammar.is_complete and not grammar.is_terminated
+    assert allowed_ids(manager, grammar) == {ord("b"), EOS}
+
+
+def test_a_finished_choice_terminates_and_then_allows_only_eos(manager) -> None:
+    grammar = manager.compile(StructuredOutputsParams(choice=["yes", "no"])).result(timeout=60)
+    assert allowed_ids(manager, grammar) == {ord("y"), ord("n")}
+    for byte in b"no":
+        assert grammar.accept(byte)
+    assert grammar.is_terminated
+    assert allowed_ids(manager, grammar) == {EOS}
+    assert not grammar.accept(ord("x")) and grammar.error  # a token the mask forbids
+
+
+def test_speculative_hooks_check_a_draft_and_roll_back(manager) -> None:
+    grammar = manager.compile(StructuredOutputsParams(choice=["abc"])).result(timeout=60)
+    assert grammar.count_valid([ord("a"), ord("b"), ord("x")]) == 2
+    for byte in b"ab":
+        assert grammar.accept(byte)
+    grammar.rollback(2)
+    assert allowed_ids(manager, grammar) == {ord("a")}
+
+
+def test_a_grammar_that_cannot_be_built_fails_its_future(manager) -> None:
+    future = manager.compile(StructuredOutputsParams(regex="(["))
+    with pytest.raises(ValueError, match="invalid structured output regex"):
+        future.result(timeout=60)
+
+
+def test_only_constrained_rows_get_masks(manager) -> None:
+    grammar = manager.compile(StructuredOutputsParams(regex="x")).result(timeout=60)
+    assert manager.start_masks([FakeRequest(None)]) is None
+    future = manager.start_masks([FakeRequest(None), FakeRequest(grammar), FakeRequest(None)])
+    assert future is not None and future.result(timeout=30).rows == [1]
+
+
+def test_the_bitmask_becomes_a_bias_in_token_order() -> None:
+    bitmask = np.zeros((2, 3), dtype=np.int32)  # [G=2, W=3]: 96 bits for 70 tokens
+    bitmask[0, 0] = 1 << 5  # token 5
+    bitmask[0, 2] = 1 << 1  # token 65
+    bitmask[1, 0] = -(2**31)  # bit 31 is the sign bit: token 31
+    bias = bias_from_bitmask(bitmask, 70)
+    assert bias.shape == (2, 70) and bias.dtype == torch.float32
+    assert torch.isfinite(bias[0]).nonzero().flatten().tolist() == [5, 65]
+    assert torch.isfinite(bias[1]).nonzero().flatten().tolist() == [31]
+    assert set(bias.unique().tolist()) == {0.0, float("-inf")}
+
+
+@pytest.mark.parametrize("rows", [[1], [0, 1, 2]])
+def test_apply_grammar_masks_sets_forbidden_tokens_to_minus_infinity(rows: list[int]) -> None:
+    logits = torch.randn(3, 70)
+    original = logits.clone()
+    bias = torch.full((len(rows), 70), float("-inf"))
+    bias[:, [5, 65]] = 0.0
+    out = apply_grammar_masks(logits, GrammarMasks(rows=rows, bias=bias))
+    for row in range(3):
+        if row in rows:
+            assert torch.isfinite(out[row]).nonzero().flatten().tolist() == [5, 65]
+            assert out[row, 5] == original[row, 5] and out[row, 65] == original[row, 65]
+        else:
+            assert torch.equal(out[row], original[row])

@@ -1,0 +1,73 @@
+"""Constraints → llguidance grammars, checked in the front before anything reaches the worker."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from nanoserve.common.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.structured_output.grammars import check_constraint
+
+VALID = [
+    StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    StructuredOutputsParams(json='{"type": "array", "items": {"enum": ["x", "y"]}}'),
+    StructuredOutputsParams(regex=r"\d{3}-[a-z]+"),
+    StructuredOutputsParams(choice=["yes", "no", 'é"\\n']),
+    StructuredOutputsParams(grammar='start: "(" expr ")"\nexpr: "x" | "y"'),
+    StructuredOutputsParams(grammar='root ::= "a" | "b"'),  # GBNF
+    StructuredOutputsParams(json_object=True),
+]
+
+
+@pytest.mark.parametrize("constraint", VALID, ids=lambda c: c.kind)
+def test_valid_constraints_compile(constraint: StructuredOutputsParams) -> None:
+    assert check_constraint(constraint)  # a non-empty grammar
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (StructuredOutputsParams(json={"type": "objectx"}), "Invalid type: objectx"),
+        (StructuredOutputsParams(json="{not json"), "invalid structured output json"),
+        (StructuredOutputsParams(json={"type": "string", "format": "odd"}), "format: odd"),
+        (StructuredOutputsParams(regex="(["), "unclosed character class"),
+        (StructuredOutputsParams(grammar="start: undefined_rule"), "unknown name"),
+    ],
+)
+def test_invalid_constraints_say_what_is_wrong(
+    constraint: StructuredOutputsParams, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_constraint(constraint)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"regex": "a", "choice": ["a"]}, {"json_object": False}, {"choice": []}, {"choice": [""]}],
+)
+def test_exactly_one_non_empty_constraint(fields: dict) -> None:
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(**fields)
+
+
+def test_the_constraint_crosses_the_wire() -> None:
+    params = SamplingParams(
+        structured_outputs=StructuredOutputsParams(json={"type": "object", "required": ["a"]})
+    )
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded == params
+    assert decoded.structured_outputs is not None and decoded.structured_outputs.kind == "json"
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutputsParams(json={"$ref": "file:///etc/passwd"}),
+        StructuredOutputsParams(json={"$ref": "http://127.0.0.1:1/schema.json"}),
+        StructuredOutputsParams(grammar='%import /etc/passwd\nstart: "a"'),
+    ],
+    ids=["file-ref", "url-ref", "lark-import"],
+)
+def test_a_constraint_cannot_name_a_file_or_a_url(constraint: StructuredOutputsParams) -> None:
+    with pytest.raises(ValueError, match="invalid structured output"):
+        check_constraint(constraint)
