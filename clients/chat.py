@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 try:
-    from nanoserve.chat_client import main
+    from nanoserve.cli.chat import main
 except ImportError:  # run from a checkout without installing nanoserve
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from nanoserve.chat_client import main
+    from nanoserve.cli.chat import main
 
 if __name__ == "__main__":
     sys.exit(main())
