@@ -26,7 +26,7 @@ FRONT_SCRIPT = """
 import json, sys
 from nanoserve.cli.main import build_parser, check_engine_config, engine_config_from_args
 from nanoserve.server.app import ServerConfig, create_app
-from nanoserve.client.engine_client import ZmqEngineClient
+from nanoserve.client.zmq_engine_client import ZmqEngineClient
 from nanoserve.text.tokenizer import load_tokenizer
 import nanoserve.cli.chat
 

@@ -13,18 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import Callable
 
 import msgspec
 
-from nanoserve.client.engine_client import (
-    EngineClient,
-    EngineDeadError,
-    EngineStartError,
-    ZmqEngineClient,
-)
+from nanoserve.client.engine_client import EngineClient, EngineDeadError, EngineStartError
 from nanoserve.client.prefix_router import ROUTINGS, PrefixRouter
 from nanoserve.client.request_stream import RequestStream
+from nanoserve.client.zmq_engine_client import ZmqEngineClient
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.protocol import DEFAULT_WORKER_TIMEOUT_S, Ready
 from nanoserve.common.sampling_params import SamplingParams
@@ -57,8 +52,6 @@ class DataParallelClient(EngineClient):
         self.router = PrefixRouter(len(self.engines), config.block_size)
         self._started: set[int] = set()  # engines that have been ready at least once
         self._turns = itertools.cycle(range(len(self.engines)))
-        self.start_error: EngineStartError | None = None
-        self.on_start_failed: Callable[[EngineStartError], None] | None = None
 
     @property
     def is_ready(self) -> bool:

@@ -1,14 +1,17 @@
-"""EngineClient: how the front talks to an engine.
+"""EngineClient: how the front talks to an engine, whichever way the messages travel.
 
-`EngineClient` routes each step's deltas to per-request `RequestStream`s on the event loop;
-`ZmqEngineClient` moves the messages: the engine lives in a worker process and messages go over
-ZMQ. It watches the worker, fails in-flight requests when it dies and starts a new one.
+`EngineClient` routes each step's deltas to per-request `RequestStream`s on the event loop and
+keeps the engine's readiness, stats and in-flight requests. Its subclasses move the messages:
+
+    ZmqEngineClient        zmq_engine_client.py   a worker process over ZMQ (the server); it
+                                                  watches the worker and restarts it
+    InProcessEngineClient  inprocess.py           an engine on a thread of this process (tests)
+    DataParallelClient     data_parallel.py       several ZmqEngineClients behind one router
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -16,42 +19,25 @@ from collections.abc import Callable
 import msgspec
 
 from nanoserve.client.request_stream import RequestStream
-from nanoserve.common.config import EngineConfig
 from nanoserve.common.protocol import (
-    DEFAULT_WORKER_TIMEOUT_S,
     AbortRequests,
     AddRequest,
     EngineStats,
-    Heartbeat,
     Ready,
     RequestFailed,
-    Shutdown,
     StepOutputs,
-    WorkerFailed,
 )
 from nanoserve.common.sampling_params import SamplingParams
-from nanoserve.worker.process import start_worker_group
-from nanoserve.worker.ranks import WorkerGroup
-from nanoserve.worker.transport import FrontSockets, IpcDirectory
 
 logger = logging.getLogger("nanoserve.server")
 
-POLL_S = 0.1  # how often the front checks that a silent worker is still alive
-
-
-class _PrefixedLog(logging.LoggerAdapter):
-    """A logger whose messages start with `extra["prefix"]`."""
-
-    def process(self, msg, kwargs):
-        return f"{self.extra['prefix']}{msg}", kwargs  # type: ignore[index]
-
 
 class EngineDeadError(RuntimeError):
-    """The worker died or is not ready: the request cannot be (or finish being) served."""
+    """The engine died or is not ready: the request cannot be (or finish being) served."""
 
 
 class EngineStartError(RuntimeError):
-    """The worker failed before it became ready; `is_config_error`: a bad setting, not a bug."""
+    """The engine failed before it became ready; `is_config_error`: a bad setting, not a bug."""
 
     def __init__(self, message: str, is_config_error: bool = False) -> None:
         super().__init__(message)
@@ -71,16 +57,19 @@ class EngineClient:
         self.stats = EngineStats()
         # Called with each step's stats and this engine's index (the metrics' `engine` label).
         self.on_stats: Callable[[EngineStats, int], None] | None = None
-        self.on_ready: Callable[[Ready], None] | None = None  # each time a worker is ready
+        self.on_ready: Callable[[Ready], None] | None = None  # each time an engine is ready
         self._is_ready = False
         self._is_accepting = True  # False once the server is shutting down
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream
         self._unstarted_ids: set[str] = set()  # added, no token yet (waiting or in prefill)
         self._shutdown_timer: asyncio.TimerHandle | None = None
+        self.start_error: EngineStartError | None = None  # why the first engine never got ready
+        # Called once if the first engine fails before it is ready (the server then stops).
+        self.on_start_failed: Callable[[EngineStartError], None] | None = None
 
     @property
     def is_ready(self) -> bool:
-        """The worker is serving and the server takes new requests."""
+        """The engine is serving and the server takes new requests."""
         return self._is_ready and self._is_accepting
 
     @property
@@ -102,9 +91,15 @@ class EngineClient:
         return len(self._streams)
 
     async def start(self) -> None:
+        """Start the engine in the background and return; `is_ready` says when it serves."""
         raise NotImplementedError
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine (waiting at most `timeout_s`) and release all it held."""
+        raise NotImplementedError
+
+    def kill_now(self) -> None:
+        """Last resort (atexit, after a forced exit): end the engine without waiting."""
         raise NotImplementedError
 
     def _send(self, message: msgspec.Struct) -> bool:
@@ -184,183 +179,3 @@ class EngineClient:
         self._unstarted_ids.clear()
         for stream in streams:
             stream.put(error)
-
-
-class ZmqEngineClient(EngineClient):
-    """The engine in a worker process, over ZMQ; restarts the worker when it dies."""
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        log_level: str = "info",
-        restart_delay_s: float = 1.0,
-        worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
-    ) -> None:
-        super().__init__(config.data_parallel_rank)
-        if not worker_timeout_s > 0:
-            raise ValueError(f"worker_timeout_s must be > 0 seconds, got {worker_timeout_s}")
-        self.config = config
-        self.log_level = log_level
-        self.restart_delay_s = restart_delay_s
-        self.worker_timeout_s = worker_timeout_s
-        # With data parallelism each line says which engine it is about.
-        prefix = f"engine {config.data_parallel_rank}: " if config.data_parallel_size > 1 else ""
-        self.log = _PrefixedLog(logger, {"prefix": prefix})
-        # Several beats per timeout, so that one late beat is no alarm.
-        self.heartbeat_interval_s = min(1.0, worker_timeout_s / 4)
-        self._ipc = IpcDirectory()
-        self._generation = 0
-        self._sockets: FrontSockets | None = None
-        self._worker: WorkerGroup | None = None
-        self._supervisor: asyncio.Task | None = None
-        self._is_closing = False
-        self.start_error: EngineStartError | None = None  # why the first worker never got ready
-        self.on_start_failed: Callable[[EngineStartError], None] | None = None
-
-    async def start(self) -> None:
-        """Start the worker in the background and return: until it is ready (the model loads),
-        `is_ready` is False and /health answers 503. If the first worker fails before it is
-        ready, `start_error` says why and `on_start_failed` is called."""
-        self._supervisor = asyncio.create_task(
-            self._start_then_supervise(), name="nanoserve-supervisor"
-        )
-
-    async def _start_then_supervise(self) -> None:
-        self.log.info("starting the model worker; /health answers 503 until the model is ready")
-        try:
-            await self._start_worker()
-        except Exception as error:
-            self._stop_worker_now()
-            self.start_error = (
-                error if isinstance(error, EngineStartError) else EngineStartError(repr(error))
-            )
-            if self.on_start_failed is not None:
-                self.on_start_failed(self.start_error)
-            return
-        await self._supervise()
-
-    async def _start_worker(self) -> None:
-        self._generation += 1
-        addresses = self._ipc.addresses(self._generation)
-        self._sockets = FrontSockets(addresses)
-        start = time.perf_counter()
-        self._worker = start_worker_group(
-            self.config, addresses, self.log_level, self.heartbeat_interval_s
-        )
-        while True:
-            message = await self._sockets.recv(POLL_S)
-            if message is None:
-                if not self._worker.is_alive():
-                    raise EngineStartError(
-                        f"the model worker exited with code {self._worker.returncode} "
-                        "before it was ready (see its log above)"
-                    )
-                continue
-            if isinstance(message, WorkerFailed) and message.is_config_error:
-                raise EngineStartError(message.message, is_config_error=True)
-            if isinstance(message, WorkerFailed):
-                raise EngineStartError(
-                    f"the model worker failed to start: {message.message} (its traceback is above)"
-                )
-            if isinstance(message, Ready):
-                break
-        self.info = message
-        self._is_ready = True
-        if self.on_ready is not None:
-            self.on_ready(message)
-        elapsed = time.perf_counter() - start
-        self.log.info(
-            "worker %d ready in %.1f s (weights %.2f s, KV sizing %.2f s, warm-up %.2f s, "
-            "process start and imports %.2f s); KV cache: %d blocks x %d tokens = %d tokens; "
-            "max_model_len %d",
-            message.pid,
-            elapsed,
-            message.load_time_s,
-            message.kv_sizing_time_s,
-            message.warmup_time_s,
-            elapsed - message.load_time_s - message.kv_sizing_time_s - message.warmup_time_s,
-            message.num_kv_blocks,
-            message.block_size,
-            message.num_kv_blocks * message.block_size,
-            message.max_model_len,
-        )
-
-    async def _supervise(self) -> None:
-        """Receive outputs; when the worker dies, fail in-flight requests and start another."""
-        while not self._is_closing:
-            reason = await self._receive_until_worker_dies()
-            if self._is_closing:
-                return
-            self._is_ready = False
-            self.log.error(
-                "model worker failed (%s); failing in-flight requests, restarting", reason
-            )
-            self._fail_all(EngineDeadError(f"the model worker failed ({reason})"))
-            self._stop_worker_now()
-            self.stats = EngineStats()
-            if self.on_stats is not None:
-                self.on_stats(self.stats, self.engine_index)
-            while not self._is_closing:
-                try:
-                    await self._start_worker()
-                    break
-                except EngineStartError as e:
-                    self.log.error("%s; retrying in %.1f s", e, self.restart_delay_s)
-                    self._stop_worker_now()
-                    await asyncio.sleep(self.restart_delay_s)
-
-    async def _receive_until_worker_dies(self) -> str:
-        """Route the worker's messages until it exits, fails, or is silent for too long."""
-        assert self._sockets is not None and self._worker is not None
-        last_heard = time.monotonic()
-        while True:
-            message = await self._sockets.recv(POLL_S)
-            if message is None:
-                if not self._worker.is_alive():
-                    return f"exit code {self._worker.returncode}"
-                silent_s = time.monotonic() - last_heard
-                if silent_s > self.worker_timeout_s:
-                    return (
-                        f"no heartbeat for {silent_s:.1f} s (--worker-timeout "
-                        f"{self.worker_timeout_s:g}): it is hung or stopped"
-                    )
-                continue
-            last_heard = time.monotonic()
-            if isinstance(message, WorkerFailed):
-                self.log.error("worker error: %s\n%s", message.message, message.traceback)
-                return message.message
-            if not isinstance(message, Heartbeat):
-                self._on_message(message)
-
-    def _send(self, message: msgspec.Struct) -> bool:
-        return self._sockets is not None and self._sockets.send(message)
-
-    def _stop_worker_now(self) -> None:
-        if self._worker is not None:
-            self._worker.kill()
-            self._worker = None
-        if self._sockets is not None:
-            self._sockets.close()
-            self._sockets = None
-
-    async def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Tell the worker to exit, wait for it (kill it after `timeout_s`), clean up sockets."""
-        self._is_closing = True
-        self._is_ready = False
-        if self._shutdown_timer is not None:
-            self._shutdown_timer.cancel()
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
-        self._fail_all(EngineDeadError("the server is shutting down"))
-        if self._worker is not None and self._sockets is not None:
-            self._sockets.send(Shutdown())
-            await asyncio.to_thread(self._worker.stop, timeout_s)
-        self._stop_worker_now()
-        self._ipc.cleanup()
-
-    def kill_now(self) -> None:
-        """Last resort (atexit): kill the worker and remove the socket directory."""
-        self._stop_worker_now()
-        self._ipc.cleanup()

@@ -136,9 +136,20 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
 # The front restarts a worker it has not heard from (a heartbeat or any other message) for this
 # long; the worker beats several times per timeout (at most once a second).
 DEFAULT_WORKER_TIMEOUT_S = 30.0
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 
 
 ToFront = Ready | StepOutputs | RequestFailed | WorkerFailed | Heartbeat
+
+
+class WorkerAddresses(msgspec.Struct, frozen=True):
+    """Where the worker reads requests from and writes outputs to (`ipc://` or `tcp://`).
+
+    The front binds both sockets, the worker connects to them.
+    """
+
+    to_worker: str
+    to_front: str
 
 
 class Codec:

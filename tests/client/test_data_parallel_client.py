@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from nanoserve.client.data_parallel import DataParallelClient, make_engine_client
-from nanoserve.client.engine_client import EngineDeadError, ZmqEngineClient
+from nanoserve.client.engine_client import EngineDeadError
+from nanoserve.client.zmq_engine_client import ZmqEngineClient
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.protocol import Ready
 

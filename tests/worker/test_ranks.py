@@ -15,8 +15,6 @@ from servers import ServerProcess, free_port
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.common.config import EngineConfig
-from nanoserve.worker.ranks import local_ranks, rendezvous_address
 
 pytestmark = pytest.mark.slow
 
@@ -105,28 +103,3 @@ def test_two_machines_on_loopback_serve_one_model(checkpoint, expected, tmp_path
             assert_greedy_matches(node0.url, expected)
     finally:
         node1.stop()
-
-
-def test_ranks_are_split_node_by_node():
-    config = EngineConfig(model="m", tensor_parallel_size=4, nnodes=2, node_rank=1, master_port=5)
-    assert list(local_ranks(config)) == [2, 3]
-    assert rendezvous_address(config) == "tcp://127.0.0.1:5"
-    assert rendezvous_address(EngineConfig(model="m")) is None
-    with pytest.raises(ValueError, match="must be a multiple of nnodes"):
-        EngineConfig(model="m", tensor_parallel_size=3, nnodes=2, master_port=5)
-    with pytest.raises(ValueError, match="needs master_port"):
-        EngineConfig(model="m", tensor_parallel_size=2, nnodes=2)
-
-
-def test_data_parallel_engines_meet_on_ports_of_their_own_and_stay_on_one_machine():
-    config = EngineConfig(
-        model="m", tensor_parallel_size=2, data_parallel_size=2, data_parallel_rank=1,
-        master_port=7000,
-    )  # fmt: skip
-    assert rendezvous_address(config) == "tcp://127.0.0.1:7001"
-    with pytest.raises(ValueError, match="data_parallel_rank must be in"):
-        EngineConfig(model="m", data_parallel_size=2, data_parallel_rank=2)
-    with pytest.raises(ValueError, match="nnodes must be 1"):
-        EngineConfig(
-            model="m", tensor_parallel_size=2, nnodes=2, master_port=5, data_parallel_size=2
-        )

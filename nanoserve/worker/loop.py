@@ -1,0 +1,116 @@
+"""The engine loop: drain incoming messages → step → send outputs, until told to stop.
+
+Torch-free and written against any receive/send pair, so that the same loop runs in the worker
+process (ZMQ sockets), on a thread of the front (`client/inprocess.py`, a queue and the event
+loop) and in tests (lists).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Protocol
+
+import msgspec
+
+from nanoserve.common.protocol import (
+    AbortRequests,
+    AddRequest,
+    EngineStats,
+    Ready,
+    RequestDelta,
+    RequestFailed,
+    Shutdown,
+    StepOutputs,
+)
+from nanoserve.common.sampling_params import SamplingParams
+
+IDLE_POLL_S = 0.5  # how long an idle loop blocks on its inbox before checking `should_exit`
+
+
+class ServedEngine(Protocol):
+    """What the loop needs of an engine (`nanoserve.core.engine.Engine` is one)."""
+
+    max_model_len: int
+    vocab_size: int
+    load_time_s: float  # reading the weights
+    kv_sizing_time_s: float  # measuring memory and allocating the KV pool
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def warm_up(self) -> None: ...
+
+
+def serve_engine(
+    engine: ServedEngine,
+    recv: Callable[[float], object],
+    send: Callable[[msgspec.Struct], None],
+    should_exit: Callable[[], bool] = lambda: False,
+) -> None:
+    """The loop. Blocks on `recv` only when the engine has nothing to run.
+
+    `recv(timeout_s)` returns the next ToWorker message or None (0: do not wait). After a batch
+    of messages changed something (a new request, an abort) the engine's stats are sent even
+    when no step runs, so the front sees freed KV blocks at once.
+    """
+    while not should_exit():
+        is_idle = not engine.has_unfinished_requests()
+        is_changed = False
+        while True:
+            message = recv(IDLE_POLL_S if is_idle and not is_changed else 0)
+            if message is None:
+                if is_idle and not is_changed and not should_exit():
+                    continue  # nothing to do: keep waiting
+                break
+            if isinstance(message, Shutdown):
+                return
+            _handle(engine, message, send)
+            is_changed = True
+        if engine.has_unfinished_requests():
+            deltas = engine.step()
+            send(StepOutputs(deltas=deltas, stats=engine.stats()))
+        elif is_changed:
+            send(StepOutputs(deltas=[], stats=engine.stats()))
+
+
+def _handle(engine: ServedEngine, message: object, send: Callable[[msgspec.Struct], None]) -> None:
+    if isinstance(message, AddRequest):
+        try:
+            engine.add_request(
+                message.request_id, message.prompt_token_ids, message.params, message.arrival_time
+            )
+        except ValueError as e:  # the engine refused this request; the loop goes on
+            send(RequestFailed(request_id=message.request_id, message=str(e)))
+    elif isinstance(message, AbortRequests):
+        engine.abort(message.request_ids)
+    else:
+        raise TypeError(f"unexpected message for the engine loop: {type(message).__name__}")
+
+
+def ready_message(engine: ServedEngine, warmup_time_s: float) -> Ready:
+    """What the front learns once the engine is loaded and warmed up."""
+    stats = engine.stats()
+    return Ready(
+        pid=os.getpid(),
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        num_kv_blocks=stats.num_kv_blocks,
+        block_size=stats.block_size,
+        load_time_s=engine.load_time_s,
+        kv_sizing_time_s=engine.kv_sizing_time_s,
+        warmup_time_s=warmup_time_s,
+    )

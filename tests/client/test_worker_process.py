@@ -1,0 +1,97 @@
+"""What the front starts worker processes with: their compute threads and environment, the
+ranks of this machine and the group's rendezvous, and the command line the worker parses."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve.client.worker_process import (
+    WORKER_KERNEL_CACHE_SIZE,
+    local_ranks,
+    rendezvous_address,
+    worker_command,
+    worker_environment,
+    worker_threads,
+)
+from nanoserve.common.config import EngineConfig
+from nanoserve.common.protocol import WorkerAddresses
+from nanoserve.worker.main import main as worker_main
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks", "threads"),
+    [(1, 1, 1), (2, 1, 2), (4, 1, 4), (8, 1, 7), (16, 1, 15), (2, 2, 1), (8, 2, 3), (3, 4, 1)],
+)
+def test_small_machines_compute_on_every_core(cores, ranks, threads):
+    assert worker_threads(cores, ranks) == threads
+
+
+def test_worker_environment_leaves_a_core_and_keeps_openmp_waiting(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    env = worker_environment()
+    assert env["OMP_NUM_THREADS"] == "7" and "OMP_WAIT_POLICY" not in env
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
+    assert worker_environment()["OMP_NUM_THREADS"] == "3"
+
+
+def test_worker_environment_asks_for_huge_pages_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert worker_environment()["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert worker_environment()["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+def test_worker_environment_bounds_the_onednn_caches_unless_told_otherwise(monkeypatch):
+    for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)
+        assert worker_environment()[name] == str(WORKER_KERNEL_CACHE_SIZE)
+        monkeypatch.setenv(name, "7")
+        assert worker_environment()[name] == "7"
+
+
+def test_ranks_are_split_node_by_node():
+    config = EngineConfig(model="m", tensor_parallel_size=4, nnodes=2, node_rank=1, master_port=5)
+    assert list(local_ranks(config)) == [2, 3]
+    assert rendezvous_address(config) == "tcp://127.0.0.1:5"
+    assert rendezvous_address(EngineConfig(model="m")) is None
+    with pytest.raises(ValueError, match="must be a multiple of nnodes"):
+        EngineConfig(model="m", tensor_parallel_size=3, nnodes=2, master_port=5)
+    with pytest.raises(ValueError, match="needs master_port"):
+        EngineConfig(model="m", tensor_parallel_size=2, nnodes=2)
+
+
+def test_data_parallel_engines_meet_on_ports_of_their_own_and_stay_on_one_machine():
+    config = EngineConfig(
+        model="m",
+        tensor_parallel_size=2,
+        data_parallel_size=2,
+        data_parallel_rank=1,
+        master_port=7000,
+    )
+    assert rendezvous_address(config) == "tcp://127.0.0.1:7001"
+    with pytest.raises(ValueError, match="data_parallel_rank must be in"):
+        EngineConfig(model="m", data_parallel_size=2, data_parallel_rank=2)
+    with pytest.raises(ValueError, match="nnodes must be 1"):
+        EngineConfig(
+            model="m", tensor_parallel_size=2, nnodes=2, master_port=5, data_parallel_size=2
+        )
+
+
+def test_the_worker_parses_the_command_the_front_builds(monkeypatch):
+    """Every flag the front passes is one the worker's parser takes, with its value."""
+    config = EngineConfig(model="m", tensor_parallel_size=2, master_port=7000)
+    addresses = WorkerAddresses("ipc:///x/to_worker", "ipc:///x/to_front")
+    command = worker_command(config, addresses, "warning", 1, "tcp://127.0.0.1:7000", 0.25)
+    assert command[1:3] == ["-m", "nanoserve.worker.main"]
+    seen = {}
+
+    def follower(config, placement, parent_pid):
+        seen.update(config=config, placement=placement, parent_pid=parent_pid)
+        return 7
+
+    monkeypatch.setattr("nanoserve.worker.main.run_follower", follower)
+    assert worker_main(command[3:]) == 7  # rank 1 follows
+    assert seen["config"] == config
+    assert (seen["placement"].rank, seen["placement"].init_method) == (1, "tcp://127.0.0.1:7000")
