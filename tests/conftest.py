@@ -18,4 +18,4 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    load_cpu_kernels()  # ~40 s the first time on a machine, then well under a second
+    load_cpu_kernels()  # built by scripts/install.sh (else now, once per install): ~0.01 s

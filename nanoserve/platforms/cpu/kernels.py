@@ -1,31 +1,49 @@
-"""nanoserve's C++ kernels for CPU (`platforms/cpu/csrc/*.cpp`), compiled on first use on a machine.
+"""nanoserve's C++ kernels for CPU (`platforms/cpu/csrc/*.cpp`), built once per install.
 
     int8_gemv               int8 weight-only products of decode steps (quantization/int8.py)
-    bf16_gemv               bf16 products of decode steps, from the plain weight (cpu_linear.py)
+    bf16_gemv               bf16 products of decode steps, from the plain weight (linear.py)
     paged_decode_attention  decode steps' attention, read in place from the paged KV cache
-                            (attention/cpu_kernel.py)
-    rms_norm                RMSNorm in one pass per row (layers/cpu_fused.py)
-    rotary                  the rotary embedding in one pass per head (layers/cpu_fused.py)
-    silu_mul                SwiGLU's silu(gate) * up in one pass per row (layers/cpu_fused.py)
+                            (attention.py)
+    rms_norm                RMSNorm in one pass per row (fused_ops.py)
+    rotary                  the rotary embedding in one pass per head (fused_ops.py)
+    silu_mul                SwiGLU's silu(gate) * up in one pass per row (fused_ops.py)
 
 PyTorch's own ops are correct but, for a decode step's short rows, cost their dispatch rather
 than their arithmetic (and PyTorch's int8 kernel converts more slowly than memory delivers).
-The sources are compiled by `torch.utils.cpp_extension` with the host's C++ compiler, for this
-CPU (`-march=native`): about half a minute the first time a worker starts on a machine, then
-loaded from torch's extension cache (~/.cache/torch_extensions) in well under a second. The
-build's name carries a key of the CPU's instruction sets, so a home directory shared with
-another kind of CPU gets its own build. Without a compiler (or ninja), or with
-`NANOSERVE_CPU_KERNELS=0`, nothing is compiled and every caller keeps PyTorch's ops.
+
+`scripts/install.sh` builds them (`python -m nanoserve.platforms.cpu.kernels`): torch's
+extension builder compiles the sources with the host's C++ compiler for this CPU
+(`-march=native`, about a minute), then the GEMVs' prefetch distance is timed. The result lives
+in the install's own folder (`build_directory`: under `sys.prefix`, named after this CPU's
+instruction sets and a hash of what the library is built from), so two virtual environments
+never share, rebuild or lock each other's build, and every start imports it in a fraction of a
+second. Where nothing was built yet (a plain `pip install`), the first start builds it there.
+
+    <prefix>/lib/nanoserve/cpu_kernels/<cpu key>-<build key>/
+        build.lock    an fcntl.flock held by the one process building (it holds that pid)
+        build/        torch's build folder: ninja file, objects, the library
+        built.json    written last, when the build is complete: the library, the prefetch distance
+
+The flock dies with its holder, so a build killed midway blocks no later start (torch's own
+`lock` file would, forever), and the next build starts again from an empty build/. Without a
+compiler (or ninja), or with `NANOSERVE_CPU_KERNELS=0`, nothing is built and every caller keeps
+PyTorch's ops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import platform
+import shutil
+import sys
 import time
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -38,32 +56,47 @@ logger = logging.getLogger("nanoserve.cpu_kernels")
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "decode_attention.cpp", "fused_ops.cpp", "gemv.cpp")
+MODULE_NAME = "nanoserve_cpu_kernels"
 # -ffp-contract=off: no a * b + c becomes one rounding, so fused_ops round as PyTorch does.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-# A build takes about a minute. A lock file much older than that was left by a build that was
-# killed (say, Ctrl-C during a first start), and torch would wait for it to go away forever.
-STALE_LOCK_S = 600.0
-# The GEMVs' prefetch distances tried at load (bytes ahead; 0: the hardware prefetcher alone),
-# each timed streaming int8 and bf16 matrices of TUNING_BYTES (more than most CPUs' L3).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
+RECORD = "built.json"
+# The GEMVs' prefetch distances timed at build (bytes ahead; 0: the hardware prefetcher alone),
+# each streaming int8 and bf16 matrices of TUNING_BYTES (more than most CPUs' L3).
 PREFETCH_CANDIDATES = (0, 4096)
 TUNING_BYTES = 128 << 20
 TUNING_ROW = 1024
 
+Build = Callable[[Path], ModuleType]
+
 
 def cpu_key(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """A short name for this CPU's instruction sets: `-march=native` builds are only reused on
-    a CPU with the same ones (a home directory may be shared between machines)."""
+    a CPU with the same ones (a virtual environment may live on a disk shared by machines)."""
     flags = " ".join(cpu_flags(cpuinfo) or [])
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
-def headers_key() -> str:
-    """A hash of csrc's headers: torch rebuilds when a source or a flag changes, not a header,
-    so the build's flags carry this."""
+def build_key() -> str:
+    """A hash of all the library is built from besides the CPU: the sources and headers, the
+    flags, torch's and Python's versions. A change to any of them needs a new build."""
     digest = hashlib.sha256()
-    for header in sorted(SOURCE_DIR.glob("*.h")):
-        digest.update(header.read_bytes())
+    for source in sorted([*SOURCE_DIR.glob("*.cpp"), *SOURCE_DIR.glob("*.h")]):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    digest.update(" ".join([*CFLAGS, *LDFLAGS, torch.__version__, sys.version]).encode())
     return digest.hexdigest()[:12]
+
+
+def build_directory(prefix: Path | None = None) -> Path:
+    """Where the install at `prefix` (default: this one, `sys.prefix`) keeps its build for this
+    CPU; where the prefix is read-only (a system Python), a per-user cache keyed by the prefix."""
+    prefix = Path(sys.prefix) if prefix is None else prefix
+    name = f"{cpu_key()}-{build_key()}"
+    if os.access(prefix, os.W_OK):
+        return prefix / "lib" / "nanoserve" / "cpu_kernels" / name
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    install = hashlib.sha256(str(prefix.resolve()).encode()).hexdigest()[:12]
+    return cache_home / "nanoserve" / "cpu_kernels" / install / name
 
 
 def kernels_enabled() -> bool:
@@ -71,63 +104,137 @@ def kernels_enabled() -> bool:
     return os.environ.get("NANOSERVE_CPU_KERNELS", "1") != "0"
 
 
-def remove_stale_build_lock(build_dir: Path, now: float | None = None) -> bool:
-    """Delete `build_dir`/lock if it is older than STALE_LOCK_S; True if it was."""
-    lock = build_dir / "lock"
-    try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < STALE_LOCK_S:
-        return False  # another process may be building right now
-    logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
-    lock.unlink(missing_ok=True)
-    return True
-
-
 @cache
 def load_cpu_kernels() -> ModuleType | None:
-    """The compiled module (built on first use, then cached on disk), or None if it can't be."""
+    """This install's compiled kernels (built now, once, if scripts/install.sh did not), or None
+    where they can't be built or NANOSERVE_CPU_KERNELS=0 asks for PyTorch's ops."""
     if not kernels_enabled():
         return None
     started = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
-
-        name = f"nanoserve_cpu_kernels_{cpu_key()}"
-        build_dir = Path(_get_build_directory(name, verbose=False))
-        remove_stale_build_lock(build_dir)
-        module = load(
-            name=name,
-            sources=[str(SOURCE_DIR / name) for name in SOURCES],
-            extra_cflags=[*CFLAGS, f"-DNANOSERVE_HEADERS={headers_key()}"],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as error:  # no compiler, no ninja, a compile error: PyTorch's ops
+        directory = build_directory()
+        module = load_or_build(directory)
+    except Exception as error:  # no compiler, no ninja, a compile error, a read-only disk
         logger.warning("CPU kernels not built (%s); using PyTorch's ops", error)
         return None
-    set_remembered_gemv_prefetch(module, build_dir)
-    logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
+    logger.info("CPU kernels loaded in %.2f s from %s", time.perf_counter() - started, directory)
     return module
 
 
-def set_remembered_gemv_prefetch(module: ModuleType, build_dir: Path) -> int:
-    """The GEMVs' prefetch distance as timed by the first start of this build on this CPU
-    (the build is per CPU; the file is per version of gemv.cpp), or timed now and written
-    down: a start then skips the 256 MiB and ~0.15 s of `tune_gemv_prefetch`."""
-    source_key = hashlib.sha256((SOURCE_DIR / "gemv.cpp").read_bytes()).hexdigest()[:12]
-    remembered = build_dir / f"gemv_prefetch-{source_key}"
+def load_or_build(directory: Path, build: Build | None = None) -> ModuleType:
+    """The library built in `directory`; built there first (by `build`, default
+    `compile_kernels`) if no build finished there yet, by this process or one it waits for."""
+    module = load_built(directory)
+    if module is not None:
+        return module
+    with build_lock(directory):
+        module = load_built(directory)  # another process may have built it while we waited
+        if module is None:
+            module = build_and_record(directory, build or compile_kernels)
+    return module
+
+
+def load_built(directory: Path) -> ModuleType | None:
+    """The library of the finished build in `directory`, its prefetch distance set as timed at
+    build; None where no build finished (or what it left does not load: it is built again)."""
+    record_path = directory / RECORD
+    if not record_path.exists():
+        return None
     try:
-        bytes_ahead = int(remembered.read_text())
-        if bytes_ahead in PREFETCH_CANDIDATES:
-            module.set_gemv_prefetch(bytes_ahead)
-            return bytes_ahead
-    except (OSError, ValueError):
-        pass  # not timed yet (or unreadable): time it
-    bytes_ahead = tune_gemv_prefetch(module)
-    with contextlib.suppress(OSError):  # a read-only cache: timed again at the next start
-        remembered.write_text(f"{bytes_ahead}\n")
-    return bytes_ahead
+        record = json.loads(record_path.read_text())
+        module = import_library(record["module"], directory / record["library"])
+        module.set_gemv_prefetch(record["gemv_prefetch"])
+    except (OSError, ImportError, ValueError, KeyError, AttributeError) as error:
+        logger.warning("the CPU kernels built in %s do not load (%s)", directory, error)
+        return None
+    return module
+
+
+def import_library(module_name: str, path: Path) -> ModuleType:
+    """Import the built library at `path` (as torch's `load` does after building)."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not an importable library")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold `directory`/build.lock while building. It is an `fcntl.flock`: the kernel releases it
+    when its holder exits or is killed, so no one ever waits on a lock a dead process left."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            logger.info("waiting for %s, building the CPU kernels in %s", holder, directory)
+            started = time.perf_counter()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            logger.info("waited %.1f s for that build", time.perf_counter() - started)
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()}\n")  # for the message above, in a process that waits
+        lock.flush()
+        yield
+
+
+def build_and_record(directory: Path, build: Build) -> ModuleType:
+    """Build into an empty `directory`/build (a killed build's leftovers, torch's lock file among
+    them, are thrown away), time the GEMVs' prefetch distance, then write the record that tells
+    every later start the build is complete. The caller holds the build lock."""
+    (directory / RECORD).unlink(missing_ok=True)
+    shutil.rmtree(directory / "build", ignore_errors=True)
+    (directory / "build").mkdir()
+    logger.info("building CPU kernels (once per install) in %s…", directory)
+    started = time.perf_counter()
+    module = build(directory / "build")
+    build_s = time.perf_counter() - started
+    record = {
+        "module": module.__name__,
+        "library": str(Path(str(module.__file__)).relative_to(directory)),
+        "gemv_prefetch": tune_gemv_prefetch(module),
+        "build_s": round(build_s, 1),
+    }
+    unfinished = directory / f"{RECORD}.tmp"
+    unfinished.write_text(json.dumps(record, indent=1) + "\n")
+    unfinished.replace(directory / RECORD)  # atomic: a reader sees no record or all of it
+    logger.info("CPU kernels built in %.1f s", build_s)
+    remove_older_builds(directory)
+    return module
+
+
+def compile_kernels(build_dir: Path) -> ModuleType:
+    """Compile csrc/*.cpp into `build_dir` with torch's extension builder (ninja and the host's
+    C++ compiler); the library it imports."""
+    from torch.utils.cpp_extension import load
+
+    module = load(
+        name=MODULE_NAME,
+        sources=[str(SOURCE_DIR / source) for source in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build_dir),
+    )
+    assert isinstance(module, ModuleType)  # is_python_module=True: a module, not a path
+    return module
+
+
+def remove_older_builds(directory: Path) -> None:
+    """Delete this install's builds for this CPU from other sources (an edited kernel, an older
+    torch), skipping any that a live process is building."""
+    cpu_part = directory.name.split("-")[0]
+    for other in directory.parent.glob(f"{cpu_part}-*"):
+        if other == directory or not other.is_dir():
+            continue
+        with open(other / "build.lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being built right now
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def stream_seconds(module: ModuleType, weights: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -146,16 +253,33 @@ def tune_gemv_prefetch(module: ModuleType, rounds: int = 3) -> int:
     """Set the GEMVs' prefetch distance to the faster of PREFETCH_CANDIDATES on this CPU (the
     best one differs between CPUs), timed on matrices larger than the caches; returns it."""
     rows = TUNING_BYTES // TUNING_ROW
-    weights = (torch.ones(rows // 2, 2 * TUNING_ROW, dtype=torch.int8),
-               torch.ones(rows // 2, TUNING_ROW, dtype=torch.bfloat16))  # fmt: skip
+    int8 = torch.ones(rows // 2, 2 * TUNING_ROW, dtype=torch.int8)
+    bf16 = torch.ones(rows // 2, TUNING_ROW, dtype=torch.bfloat16)
     best: dict[int, float] = {}
     for _ in range(rounds):  # candidates alternate, so that a noisy machine shifts them all
         for bytes_ahead in PREFETCH_CANDIDATES:
             module.set_gemv_prefetch(bytes_ahead)
-            seconds = stream_seconds(module, weights)
+            seconds = stream_seconds(module, (int8, bf16))
             best[bytes_ahead] = min(best.get(bytes_ahead, seconds), seconds)
     chosen = min(best, key=best.__getitem__)
     module.set_gemv_prefetch(chosen)
-    logger.info("GEMV prefetch: %d bytes ahead (%s)", chosen,
-                ", ".join(f"{b}: {s * 1e3:.1f} ms" for b, s in best.items()))  # fmt: skip
+    timings = ", ".join(f"{b}: {s * 1e3:.1f} ms" for b, s in best.items())
+    logger.info("GEMV prefetch: %d bytes ahead (%s)", chosen, timings)
     return chosen
+
+
+def main() -> int:
+    """`python -m nanoserve.platforms.cpu.kernels`, run by scripts/install.sh: build this
+    install's kernels now, so that no start has to. Exits 0 where they can't be built (the
+    warning says why): the server then runs on PyTorch's ops."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not kernels_enabled():
+        print("NANOSERVE_CPU_KERNELS=0: the CPU kernels are not built")
+        return 0
+    if load_cpu_kernels() is not None:
+        print(f"CPU kernels ready in {build_directory()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
