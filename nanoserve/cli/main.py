@@ -31,7 +31,7 @@ from nanoserve.cli.serve_flags import (
 )
 from nanoserve.common.checkpoint import DEMO_MODEL_NAME
 from nanoserve.common.config import DTYPES, LOAD_FORMATS, EngineConfig
-from nanoserve.server.state import ServerConfig
+from nanoserve.server.config import ServerConfig
 
 logger = logging.getLogger("nanoserve")
 

@@ -13,7 +13,7 @@ from typing import Any
 from nanoserve.client.prefix_router import ROUTINGS
 from nanoserve.common.config import QUANTIZATIONS, EngineConfig
 from nanoserve.common.protocol import DEFAULT_WORKER_TIMEOUT_S
-from nanoserve.server.state import ServerConfig
+from nanoserve.server.config import ServerConfig
 
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _SIZE_UNITS.update({"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40})

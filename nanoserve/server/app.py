@@ -1,9 +1,12 @@
-"""The OpenAI-compatible HTTP app (FastAPI): its state, its routes and its lifespan.
+"""The OpenAI-compatible HTTP app (FastAPI): its routers, each bound to what it serves with.
 
-admin.py         /health /version /metrics /v1/models /tokenize /detokenize
-completions.py   /v1/completions
-chat.py          /v1/chat/completions
-responses.py     /v1/responses, GET and DELETE /v1/responses/{id}
+`create_app` builds the one `ServedModel` (settings, engine client, tokenizer thread, metrics)
+and hands it to each API module, which gives back its routes:
+
+admin.py                /health /version /metrics /v1/models /tokenize /detokenize
+openai/completions.py   /v1/completions
+openai/chat.py          /v1/chat/completions
+openai/responses.py     /v1/responses, GET and DELETE /v1/responses/{id}
 """
 
 from __future__ import annotations
@@ -12,17 +15,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from transformers import PreTrainedTokenizerBase
 
 from nanoserve import __version__
 from nanoserve.client.engine_client import EngineClient
 from nanoserve.server import admin
 from nanoserve.server.auth import ApiKeyMiddleware
-from nanoserve.server.errors import install_error_handlers
+from nanoserve.server.config import ServerConfig
+from nanoserve.server.errors import ClientDisconnected, install_error_handlers
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import chat, completions, responses
 from nanoserve.server.openai.response_store import ResponseStore
-from nanoserve.server.request_body import ClientDisconnected
-from nanoserve.server.state import ServerConfig, ServerState
+from nanoserve.server.openai.served_model import ServedModel
 from nanoserve.server.tokenizer_pool import TokenizerPool
 
 __all__ = ["ServerConfig", "create_app"]
@@ -31,7 +35,7 @@ __all__ = ["ServerConfig", "create_app"]
 def create_app(
     config: ServerConfig,
     client: EngineClient,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     shutdown_timeout_s: float = 5.0,
 ) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine client and stops it.
@@ -40,17 +44,7 @@ def create_app(
     """
     metrics = ServerMetrics(config.served_model_names[0], client.num_engines)
     pool = TokenizerPool(tokenizer)
-    chat_serving = chat.ChatServing(client, pool, metrics, config)
-    state = ServerState(
-        config=config,
-        client=client,
-        tokenizer=tokenizer,
-        pool=pool,
-        metrics=metrics,
-        completions=completions.CompletionServing(client, pool, metrics, config),
-        chat=chat_serving,
-        responses=responses.ResponsesServing(chat_serving, ResponseStore()),
-    )
+    model = ServedModel(config, client, pool, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -63,7 +57,6 @@ def create_app(
             pool.shutdown()
 
     app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan)
-    app.state.server = state
     install_error_handlers(app)
 
     @app.exception_handler(ClientDisconnected)
@@ -71,8 +64,10 @@ def create_app(
         metrics.http_requests_client_disconnected.inc()
         return Response(status_code=499)  # nobody is listening any more
 
-    for module in (admin, completions, chat, responses):
-        app.include_router(module.router)
+    app.include_router(admin.router(model))
+    app.include_router(completions.router(model))
+    app.include_router(chat.router(model))
+    app.include_router(responses.router(model, ResponseStore()))
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

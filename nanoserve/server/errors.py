@@ -1,7 +1,9 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
 Anything a client can send is answered with a 4xx that says what was wrong; a 500 means a bug
-in the server and is logged with its traceback.
+in the server and is logged with its traceback. The engine client's errors reach HTTP through
+one function, `engine_error`, whether they end a JSON answer, a stream's last frame or the start
+of a run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanoserve.client.engine_client import EngineDeadError, RequestRejectedError
+
 logger = logging.getLogger("nanoserve.server")
 
 ERROR_TYPES = {
@@ -27,6 +31,10 @@ ERROR_TYPES = {
     500: "server_error",
     503: "service_unavailable_error",
 }
+
+RETRY_AFTER_S = "1"  # a worker that is starting, restarting or busy: retry soon
+# What the engine client raises into a request's stream (or while adding its requests).
+ENGINE_ERRORS = (EngineDeadError, RequestRejectedError)
 
 # Names pydantic puts in an error's location for the member of a union that failed.
 _UNION_MEMBER_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -50,6 +58,29 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status_code, self.param)
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection before the response was ready."""
+
+
+def service_unavailable(message: str) -> APIError:
+    """A 503 the client may retry after RETRY_AFTER_S seconds."""
+    return APIError(message, 503, headers={"Retry-After": RETRY_AFTER_S})
+
+
+def engine_error(
+    error: EngineDeadError | RequestRejectedError, param: str | None = None
+) -> APIError:
+    """The HTTP error for an engine client's error.
+
+    EngineDeadError (no worker can serve the request: dead, restarting, shutting down) is a 503
+    to retry; RequestRejectedError (the engine refused the request, e.g. a grammar that does not
+    compile) is a 400, naming `param` when the caller knows which field gave what was refused.
+    """
+    if isinstance(error, EngineDeadError):
+        return service_unavailable(str(error))
+    return APIError(str(error), 400, param)
 
 
 def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:

@@ -28,8 +28,8 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from nanoserve.server.errors import APIError, validation_error
-from nanoserve.server.state import ServerConfig
+from nanoserve.server.config import ServerConfig
+from nanoserve.server.errors import APIError, ClientDisconnected, validation_error
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -37,10 +37,6 @@ T = TypeVar("T", bound=BaseModel)
 # of that body would otherwise be read as the next request.
 CLOSE = {"Connection": "close"}
 _JSON_DECODER = msgspec.json.Decoder()
-
-
-class ClientDisconnected(Exception):
-    """The client closed its connection before the response was ready."""
 
 
 def check_media_type(content_type: str | None) -> None:

@@ -1,4 +1,10 @@
-"""POST /v1/chat/completions: messages through the chat template in, an assistant message out."""
+"""POST /v1/chat/completions: messages through the chat template in, an assistant message out.
+
+One request, top to bottom: the route reads the body; `start_chat` checks it, plans its tools,
+renders and tokenizes the prompt, builds its sampling params and starts the run; then the run is
+answered as a stream of `chat.completion.chunk`s (`chat_chunks`) or one `chat.completion`
+(`chat_completion`).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError
-from nanoserve.server.http import respond
 from nanoserve.server.openai.api_models import (
     ChatChoice,
     ChatChunkChoice,
@@ -19,176 +25,140 @@ from nanoserve.server.openai.api_models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
     ChatToolCall,
     FunctionCall,
     TopLogprob,
 )
-from nanoserve.server.openai.chat_prompt import (
-    check_template_kwargs,
-    num_content_chars,
-    render_chat_prompt,
-    request_chat_template,
-)
+from nanoserve.server.openai.chat_prompt import chat_prompt
 from nanoserve.server.openai.chat_tools import ToolPlan, plan_tools
-from nanoserve.server.openai.constraints import checked_constraint
+from nanoserve.server.openai.checks import check_capacity, check_model
+from nanoserve.server.openai.constraints import Constraint, request_constraint
 from nanoserve.server.openai.logprobs import vllm_prompt_logprobs
-from nanoserve.server.openai.request_run import RequestRun
-from nanoserve.server.openai.serving import OpenAIServing, response_id, stream_usage
+from nanoserve.server.openai.request_run import (
+    RequestRun,
+    start_run,
+    stream_answer,
+    stream_usage,
+    whole_answer,
+)
+from nanoserve.server.openai.sampling import max_tokens_for, sampling_params
+from nanoserve.server.openai.served_model import ServedModel
 from nanoserve.server.openai.tool_parsers import ParsedDelta, ToolParser
 from nanoserve.server.openapi import json_body_schema
 from nanoserve.server.request_body import read_json_body
-from nanoserve.server.state import server_state
 from nanoserve.text.output_processor import ChoiceState, ChoiceUpdate, PositionLogprobs
 
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
-router = APIRouter()
+def router(model: ServedModel) -> APIRouter:
+    """The chat completions route, serving `model`."""
+    routes = APIRouter()
+
+    @routes.post("/v1/chat/completions", openapi_extra=json_body_schema(ChatCompletionRequest))
+    async def create_chat_completion(request: Request) -> Response:
+        body = await read_json_body(request, ChatCompletionRequest, model.config)
+        run, tools = await start_chat(model, body, request)
+        if body.stream:
+            return stream_answer(run, chat_chunks(model, body, run, tools))
+        return await whole_answer(request, run, chat_completion(model, body, run, tools))
+
+    return routes
 
 
-@router.post("/v1/chat/completions", openapi_extra=json_body_schema(ChatCompletionRequest))
-async def create_chat_completion(request: Request) -> Response:
-    state = server_state(request)
-    body = await read_json_body(request, ChatCompletionRequest, state.config)
-    serving = state.chat
-    run, tools = await serving.start(body)
-    return await respond(
-        request,
-        run,
-        body.stream,
-        lambda: serving.chunks(body, run, tools),
-        lambda: serving.response(body, run, tools),
+async def start_chat(
+    model: ServedModel, body: ChatCompletionRequest, request: Request
+) -> tuple[RequestRun, ToolPlan]:
+    """Checks, tools, prompt, sampling params, then the run: a chat request up to the engine."""
+    check_model(model, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError("top_logprobs needs logprobs set to true", 400, "top_logprobs")
+    check_capacity(model, body.n, "n")  # before the template renders anything
+    config = model.config
+    tools = plan_tools(body, config.tool_call_parser, config.enable_auto_tool_choice)
+    prompt = await chat_prompt(model, body, tools.template_tools)
+    params, constraint = _sampling_params(model, body, len(prompt), tools)
+    run = await start_run(model, request, [prompt], [params], "chatcmpl", constraint)
+    return run, tools
+
+
+def _sampling_params(
+    model: ServedModel, body: ChatCompletionRequest, num_prompt: int, tools: ToolPlan
+) -> tuple[SamplingParams, Constraint | None]:
+    """max_completion_tokens (or the older max_tokens), logprobs and any constraint."""
+    param, max_tokens = "max_completion_tokens", body.max_completion_tokens
+    if max_tokens is None:
+        param, max_tokens = "max_tokens", body.max_tokens
+    max_tokens = max_tokens_for(model, num_prompt, max_tokens, param)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    constraint = request_constraint(body, tools.constraint)
+    structured = constraint.params if constraint is not None else None
+    params = sampling_params(model, body, max_tokens, logprobs, body.prompt_logprobs, structured)
+    if tools.needs_special_tokens:  # the parser reads the model's tool-call tokens
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params, constraint
+
+
+async def chat_completion(
+    model: ServedModel, body: ChatCompletionRequest, run: RequestRun, tools: ToolPlan
+) -> ChatCompletionResponse:
+    """The whole chat completion, once every choice has finished."""
+    await run.finish()
+    choices = []
+    for choice in run.choices:
+        message, finish_reason = ChatResponseMessage(content=choice.text), choice.finish_reason
+        if tools.make_parser is not None:
+            message, finish_reason = _tool_message(tools.make_parser(), choice)
+        choices.append(
+            ChatChoice(
+                index=choice.index,
+                message=message,
+                logprobs=_logprobs(choice.logprobs) if body.logprobs else None,
+                finish_reason=finish_reason,
+                stop_reason=choice.stop_reason,
+            )
+        )
+    return ChatCompletionResponse(
+        id=run.request_id,
+        model=model.name,
+        choices=choices,
+        usage=run.usage(),
+        prompt_logprobs=vllm_prompt_logprobs(run.choices[0]),
     )
 
 
-def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
-    """Extra template variables: chat_template_kwargs, and reasoning_effort mapped onto them."""
-    kwargs = check_template_kwargs(request.chat_template_kwargs)
-    effort = request.reasoning_effort
-    if effort is not None:
-        if effort not in REASONING_EFFORTS:
-            raise APIError(
-                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
-                400,
-                "reasoning_effort",
-            )
-        if effort == "none":
-            kwargs.setdefault("enable_thinking", False)
-        else:
-            kwargs.setdefault("reasoning_effort", effort)
-    return kwargs
+async def chat_chunks(
+    model: ServedModel, body: ChatCompletionRequest, run: RequestRun, tools: ToolPlan
+) -> AsyncIterator[ChatCompletionChunk]:
+    """The stream: a role chunk, a chunk per burst of updates, and usage if asked for."""
+    created = int(time.time())
+    include_usage, continuous_usage = stream_usage(body.stream_options)
 
-
-class ChatServing(OpenAIServing):
-    """Builds chat runs, responses and stream chunks."""
-
-    async def render(
-        self,
-        messages: list[ChatMessage],
-        add_generation_prompt: bool,
-        chat_template: str | None,
-        kwargs: dict[str, Any],
-    ) -> list[int]:
-        """Messages rendered with the chat template, as token ids (checked, capped)."""
-        template = request_chat_template(chat_template, self.config.trust_request_chat_template)
-        self.check_prompt_chars(num_content_chars(messages), "messages")
-        prompt = await render_chat_prompt(
-            self.pool, messages, add_generation_prompt, template, kwargs, self.max_prompt_chars
-        )
-        self.check_prompt(prompt, "messages")
-        return prompt
-
-    async def prompt(self, request: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
-        """The request's messages and tools through the chat template, as token ids."""
-        kwargs = template_kwargs(request)
-        if tools.template_tools is not None:
-            kwargs["tools"] = tools.template_tools  # set by the server, never by the request
-        return await self.render(
-            request.messages, request.add_generation_prompt, request.chat_template, kwargs
-        )
-
-    async def start(self, request: ChatCompletionRequest) -> tuple[RequestRun, ToolPlan]:
-        self.check_model(request.model)
-        if request.top_logprobs is not None and not request.logprobs:
-            raise APIError("top_logprobs needs logprobs set to true", 400, "top_logprobs")
-        self.check_capacity(request.n, "n")  # before the template renders anything
-        tools = plan_tools(
-            request, self.config.tool_call_parser, self.config.enable_auto_tool_choice
-        )
-        prompt = await self.prompt(request, tools)
-        param, max_tokens = "max_completion_tokens", request.max_completion_tokens
-        if max_tokens is None:
-            param, max_tokens = "max_tokens", request.max_tokens
-        self.check_max_tokens(len(prompt), max_tokens, param)
-        if max_tokens is None:
-            max_tokens = self.default_max_tokens(len(prompt))  # the rest of the context
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        constraint = await checked_constraint(request, tools.constraint)
-        params = self.make_params(request, max_tokens, logprobs, structured_outputs=constraint)
-        if tools.needs_special_tokens:
-            params = dataclasses.replace(params, skip_special_tokens=False)
-        return self.start_run([prompt], [params], "chatcmpl"), tools
-
-    async def response(
-        self, request: ChatCompletionRequest, run: RequestRun, tools: ToolPlan
-    ) -> ChatCompletionResponse:
-        async for _ in run.updates():
-            pass
-        choices = []
-        for choice in run.choices:
-            message, finish_reason = ChatResponseMessage(content=choice.text), choice.finish_reason
-            if tools.make_parser is not None:
-                message, finish_reason = _tool_message(tools.make_parser(), choice)
-            choices.append(
-                ChatChoice(
-                    index=choice.index,
-                    message=message,
-                    logprobs=_logprobs(choice.logprobs) if request.logprobs else None,
-                    finish_reason=finish_reason,
-                    stop_reason=choice.stop_reason,
-                )
-            )
-        return ChatCompletionResponse(
-            id=response_id(run),
-            model=self.model_name,
+    def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=run.request_id,
+            created=created,
+            model=model.name,
             choices=choices,
-            usage=run.usage(),
-            prompt_logprobs=vllm_prompt_logprobs(run.choices[0]),
+            usage=run.usage() if continuous_usage else None,
         )
 
-    async def chunks(
-        self, request: ChatCompletionRequest, run: RequestRun, tools: ToolPlan
-    ) -> AsyncIterator[ChatCompletionChunk]:
-        chunk_id, created = response_id(run), int(time.time())
-        include_usage, continuous_usage = stream_usage(request.stream_options)
-
-        def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
-            return ChatCompletionChunk(
-                id=chunk_id,
-                created=created,
-                model=self.model_name,
-                choices=choices,
-                usage=run.usage() if continuous_usage else None,
-            )
-
-        yield chunk(
-            [
-                ChatChunkChoice(index=c.index, delta={"role": "assistant", "content": ""})
-                for c in run.choices
-            ]
-        )
-        make_parser = tools.make_parser
-        parsers = {c.index: make_parser() for c in run.choices} if make_parser else {}
-        async for updates in run.updates():
-            choices = [_chunk_choice(request, u, parsers.get(u.choice.index)) for u in updates]
-            if any(c is not None for c in choices):
-                yield chunk([c for c in choices if c is not None])
-        if include_usage:
-            final = chunk([])
-            final.usage = run.usage()
-            yield final
+    yield chunk(
+        [
+            ChatChunkChoice(index=c.index, delta={"role": "assistant", "content": ""})
+            for c in run.choices
+        ]
+    )
+    make_parser = tools.make_parser
+    parsers = {c.index: make_parser() for c in run.choices} if make_parser else {}
+    async for updates in run.updates():
+        choices = [_chunk_choice(body, u, parsers.get(u.choice.index)) for u in updates]
+        if any(c is not None for c in choices):
+            yield chunk([c for c in choices if c is not None])
+    if include_usage:
+        final = chunk([])
+        final.usage = run.usage()
+        yield final
 
 
 def _tool_message(
@@ -214,11 +184,11 @@ def _finish_reason(choice: ChoiceState, parser: ToolParser | None) -> str | None
 
 
 def _chunk_choice(
-    request: ChatCompletionRequest, update: ChoiceUpdate, parser: ToolParser | None
+    body: ChatCompletionRequest, update: ChoiceUpdate, parser: ToolParser | None
 ) -> ChatChunkChoice | None:
     """One choice's part of a stream chunk; None when it has nothing to show yet."""
     choice = update.choice
-    logprobs = _logprobs(update.logprobs) if request.logprobs else None
+    logprobs = _logprobs(update.logprobs) if body.logprobs else None
     delta: dict[str, Any] = {"content": update.text} if update.text else {}
     if parser is not None:
         parsed = [parser.feed(update.text)]

@@ -7,7 +7,9 @@ whether to tokenize, tools, documents, padding, ... — are refused there, as vL
 `chat_template` and `tokenize`. A request's own `chat_template` is refused unless the operator
 started the server with `--trust-request-chat-template`; then it is template text, never a path.
 Rendering runs on the tokenizer thread, and any error it raises on a client's input (a bad
-template, a recursive macro, content nested too deep) is a 400.
+template, a recursive macro, content nested too deep) is a 400. The messages' text is measured
+before rendering, the rendered text before tokenizing, and the token ids are checked as every
+prompt is (`checks.check_prompt`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.server.errors import APIError
-from nanoserve.server.openai.api_models import ChatMessage
+from nanoserve.server.openai.api_models import ChatCompletionRequest, ChatMessage
 from nanoserve.server.openai.chat_tools import templated_tool_calls
+from nanoserve.server.openai.checks import check_prompt, check_prompt_chars
+from nanoserve.server.openai.served_model import ServedModel
 from nanoserve.server.tokenizer_pool import TokenizerPool
 from nanoserve.text.tokenizer import render_chat_template
 
@@ -31,11 +35,59 @@ RESERVED_TEMPLATE_ARGS = frozenset(
     - {"self", "kwargs"}
     | {"conversation", "messages", "tools", "documents", "chat_template", "tokenize"}
 )
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 # What rendering a client's messages with a template can raise.
 RENDER_ERRORS = (
     jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError,
     ZeroDivisionError, OverflowError, RecursionError,
 )  # fmt: skip
+
+
+async def chat_prompt(
+    model: ServedModel, request: ChatCompletionRequest, template_tools: list[dict[str, Any]] | None
+) -> list[int]:
+    """A chat request's prompt token ids: its messages (and the tools the template shows)."""
+    kwargs = template_kwargs(request)
+    if template_tools is not None:
+        kwargs["tools"] = template_tools  # set by the server, never by the request
+    return await render_messages(
+        model, request.messages, request.add_generation_prompt, request.chat_template, kwargs
+    )
+
+
+async def render_messages(
+    model: ServedModel,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    chat_template: str | None,
+    kwargs: dict[str, Any],
+) -> list[int]:
+    """Messages rendered with the chat template, as checked prompt token ids."""
+    template = request_chat_template(chat_template, model.config.trust_request_chat_template)
+    check_prompt_chars(model, num_content_chars(messages), "messages")
+    prompt = await render_chat_prompt(
+        model.pool, messages, add_generation_prompt, template, kwargs, model.max_prompt_chars
+    )
+    check_prompt(model, prompt, "messages")
+    return prompt
+
+
+def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
+    """Extra template variables: chat_template_kwargs, and reasoning_effort mapped onto them."""
+    kwargs = check_template_kwargs(request.chat_template_kwargs)
+    effort = request.reasoning_effort
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise APIError(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                400,
+                "reasoning_effort",
+            )
+        if effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+        else:
+            kwargs.setdefault("reasoning_effort", effort)
+    return kwargs
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

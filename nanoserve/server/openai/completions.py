@@ -1,5 +1,10 @@
 """POST /v1/completions: prompts (text or token ids, fill-in-the-middle) in, text out.
 
+One request, top to bottom: the route reads the body; `start_completion` checks it, tokenizes
+each prompt (framing it with FIM tokens when a suffix is given), builds each prompt's sampling
+params and starts the run; then the run is answered as a stream of chunks
+(`completion_chunks`) or one completion (`completion`).
+
 With `echo` the prompt comes back before the completion, and with `logprobs` too the prompt
 tokens' logprobs before the generated ones' (the first prompt token's are null): this is how
 lm-eval scores a continuation. `max_tokens: 0` is allowed with `echo` only: the prompt (and
@@ -8,16 +13,15 @@ its logprobs) without generation.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from transformers import PreTrainedTokenizerBase
 
-from nanoserve.common.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError
-from nanoserve.server.http import respond
 from nanoserve.server.openai.api_models import (
     CompletionChoice,
     CompletionLogprobs,
@@ -25,17 +29,29 @@ from nanoserve.server.openai.api_models import (
     CompletionResponse,
     CompletionResponseChoice,
 )
-from nanoserve.server.openai.constraints import checked_constraint
+from nanoserve.server.openai.checks import (
+    check_capacity,
+    check_model,
+    check_prompt,
+    check_prompt_chars,
+)
+from nanoserve.server.openai.constraints import Constraint, request_constraint
 from nanoserve.server.openai.logprobs import (
     append_completion_logprobs,
     prompt_positions,
     vllm_prompt_logprobs,
 )
-from nanoserve.server.openai.request_run import RequestRun
-from nanoserve.server.openai.serving import OpenAIServing, response_id, stream_usage
+from nanoserve.server.openai.request_run import (
+    RequestRun,
+    start_run,
+    stream_answer,
+    stream_usage,
+    whole_answer,
+)
+from nanoserve.server.openai.sampling import max_tokens_for, sampling_params
+from nanoserve.server.openai.served_model import ServedModel
 from nanoserve.server.openapi import json_body_schema
 from nanoserve.server.request_body import read_json_body
-from nanoserve.server.state import server_state
 from nanoserve.text.output_processor import ChoiceState, ChoiceUpdate
 
 # Fill-in-the-middle tokens (prefix, suffix, middle) of the code models that have them.
@@ -44,204 +60,212 @@ FIM_TOKENS = (
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder
     ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
 )
+FimTokenIds = tuple[int, int, int]  # prefix, suffix, middle
 
-router = APIRouter()
+
+def router(model: ServedModel) -> APIRouter:
+    """The completions route, serving `model`."""
+    routes = APIRouter()
+    fim_ids = fim_token_ids(model.tokenizer)
+
+    @routes.post("/v1/completions", openapi_extra=json_body_schema(CompletionRequest))
+    async def create_completion(request: Request) -> Response:
+        body = await read_json_body(request, CompletionRequest, model.config)
+        run, texts = await start_completion(model, body, request, fim_ids)
+        if body.stream:
+            return stream_answer(run, completion_chunks(model, body, run, texts))
+        return await whole_answer(request, run, completion(model, body, run, texts))
+
+    return routes
 
 
-@router.post("/v1/completions", openapi_extra=json_body_schema(CompletionRequest))
-async def create_completion(request: Request) -> Response:
-    state = server_state(request)
-    body = await read_json_body(request, CompletionRequest, state.config)
-    serving = state.completions
-    run, texts = await serving.start(body)
-    return await respond(
-        request,
-        run,
-        body.stream,
-        lambda: serving.chunks(body, run, texts),
-        lambda: serving.response(body, run, texts),
+async def start_completion(
+    model: ServedModel, body: CompletionRequest, request: Request, fim_ids: FimTokenIds | None
+) -> tuple[RequestRun, list[str]]:
+    """Checks, prompts, sampling params, then the run; also each prompt's text (for echo)."""
+    check_model(model, body.model)
+    items = prompt_items(body)
+    # Before any tokenizing: every choice of every prompt must fit in the waiting queue.
+    check_capacity(model, len(items) * body.n, "n" if body.n > 1 else "prompt")
+    prompts, texts = await _prompts(model, body, items, fim_ids)
+    constraint = request_constraint(body)
+    params = [_sampling_params(model, body, len(prompt), constraint) for prompt in prompts]
+    run = await start_run(model, request, prompts, params, "cmpl", constraint)
+    return run, texts
+
+
+def prompt_items(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts, each a string or a list of token ids."""
+    prompt: list = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+    if prompt and isinstance(prompt[0], int):
+        prompt = [prompt]  # one prompt of token ids
+    if not prompt:
+        raise APIError("prompt is empty; give a string or token ids", 400, "prompt")
+    return prompt
+
+
+async def _prompts(
+    model: ServedModel,
+    body: CompletionRequest,
+    items: list[str | list[int]],
+    fim_ids: FimTokenIds | None,
+) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt (checked), and its text when echo asks for it."""
+    token_ids, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            check_prompt_chars(model, len(item) + len(body.suffix or ""), "prompt")
+            # With a suffix the FIM tokens frame the prompt; no BOS/special tokens inside.
+            add_special = body.suffix is None
+            ids = await model.pool.encode(item, add_special) if item else []
+        else:
+            ids = item
+        if body.suffix is not None:
+            ids = await _fill_in_the_middle(model, ids, body.suffix, fim_ids)
+        check_prompt(model, ids, "prompt")
+        token_ids.append(ids)
+        if not body.echo:
+            texts.append("")
+        else:
+            texts.append(item if isinstance(item, str) else await model.pool.decode(ids))
+    return token_ids, texts
+
+
+def fim_token_ids(tokenizer: PreTrainedTokenizerBase) -> FimTokenIds | None:
+    """Ids of the tokenizer's fill-in-the-middle tokens (prefix, suffix, middle), if any."""
+    vocab = tokenizer.get_vocab()
+    for tokens in FIM_TOKENS:
+        if all(t in vocab for t in tokens):
+            return vocab[tokens[0]], vocab[tokens[1]], vocab[tokens[2]]
+    return None
+
+
+async def _fill_in_the_middle(
+    model: ServedModel, prefix_ids: list[int], suffix: str, fim_ids: FimTokenIds | None
+) -> list[int]:
+    """Prefix-suffix-middle order: <prefix> prompt <suffix> suffix <middle>."""
+    if fim_ids is None:
+        raise APIError(
+            "suffix (fill-in-the-middle) is not supported by this model: its tokenizer has "
+            "no FIM tokens such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>",
+            400,
+            "suffix",
+        )
+    prefix_id, suffix_id, middle_id = fim_ids
+    suffix_ids = await model.pool.encode(suffix, add_special_tokens=False)
+    return [prefix_id, *prefix_ids, suffix_id, *suffix_ids, middle_id]
+
+
+def _sampling_params(
+    model: ServedModel, body: CompletionRequest, num_prompt: int, constraint: Constraint | None
+) -> SamplingParams:
+    minimum = 0 if body.echo else 1  # echo with max_tokens 0: the prompt only
+    max_tokens = max_tokens_for(model, num_prompt, body.max_tokens, "max_tokens", minimum)
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and body.echo:
+        prompt_logprobs = body.logprobs  # echoed prompt tokens get logprobs too
+    structured = constraint.params if constraint is not None else None
+    return sampling_params(model, body, max_tokens, body.logprobs, prompt_logprobs, structured)
+
+
+async def completion(
+    model: ServedModel, body: CompletionRequest, run: RequestRun, texts: list[str]
+) -> CompletionResponse:
+    """The whole completion, once every choice has finished."""
+    await run.finish()
+    choices: list[CompletionChoice] = [
+        _response_choice(model, body, choice, texts[choice.prompt_index]) for choice in run.choices
+    ]
+    return CompletionResponse(
+        id=run.request_id, model=model.name, choices=choices, usage=run.usage()
     )
 
 
-class CompletionServing(OpenAIServing):
-    """Builds completion runs, responses and stream chunks."""
-
-    async def start(self, request: CompletionRequest) -> tuple[RequestRun, list[str]]:
-        """Validate and start the request; also returns each prompt's text (for echo)."""
-        self.check_model(request.model)
-        items = self.prompt_items(request)
-        # Before any tokenizing: every choice of every prompt must fit in the waiting queue.
-        self.check_capacity(len(items) * request.n, "n" if request.n > 1 else "prompt")
-        prompts, texts = await self.prompts(request, items)
-        constraint = await checked_constraint(request)
-        params = [self._params(request, prompt, constraint) for prompt in prompts]
-        return self.start_run(prompts, params, "cmpl"), texts
-
-    def _params(
-        self,
-        request: CompletionRequest,
-        prompt: list[int],
-        constraint: StructuredOutputsParams | None,
-    ) -> SamplingParams:
-        minimum = 0 if request.echo else 1  # echo with max_tokens 0: the prompt only
-        self.check_max_tokens(len(prompt), request.max_tokens, "max_tokens", minimum)
-        max_tokens = request.max_tokens
-        if max_tokens is None:  # null: the rest of the context
-            max_tokens = self.default_max_tokens(len(prompt))
-        prompt_logprobs = request.prompt_logprobs
-        if prompt_logprobs is None and request.echo:
-            prompt_logprobs = request.logprobs  # echoed prompt tokens get logprobs too
-        return self.make_params(
-            request, max_tokens, request.logprobs, prompt_logprobs, structured_outputs=constraint
+def _response_choice(
+    model: ServedModel, body: CompletionRequest, choice: ChoiceState, prompt_text: str
+) -> CompletionResponseChoice:
+    echo = prompt_text if body.echo else ""
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = CompletionLogprobs()
+        if body.echo:
+            _append_prompt_logprobs(model, logprobs, choice)
+        append_completion_logprobs(
+            logprobs, choice.token_ids, choice.logprobs, len(echo), model.token_text
         )
+    return CompletionResponseChoice(
+        index=choice.index,
+        text=echo + choice.text,
+        logprobs=logprobs,
+        finish_reason=choice.finish_reason,
+        stop_reason=choice.stop_reason,
+        prompt_logprobs=vllm_prompt_logprobs(choice),
+    )
 
-    @staticmethod
-    def prompt_items(request: CompletionRequest) -> list[str | list[int]]:
-        """The request's prompts, each a string or a list of token ids."""
-        prompt: list = request.prompt if isinstance(request.prompt, list) else [request.prompt]
-        if prompt and isinstance(prompt[0], int):
-            prompt = [prompt]  # one prompt of token ids
-        if not prompt:
-            raise APIError("prompt is empty; give a string or token ids", 400, "prompt")
-        return prompt
 
-    async def prompts(
-        self, request: CompletionRequest, items: list[str | list[int]]
-    ) -> tuple[list[list[int]], list[str]]:
-        """Token ids of each prompt, and its text when echo asks for it."""
-        token_ids, texts = [], []
-        for item in items:
-            if isinstance(item, str):
-                self.check_prompt_chars(len(item) + len(request.suffix or ""), "prompt")
-                # With a suffix the FIM tokens frame the prompt; no BOS/special tokens inside.
-                add_special = request.suffix is None
-                ids = await self.pool.encode(item, add_special) if item else []
-            else:
-                ids = item
-            if request.suffix is not None:
-                ids = await self._fill_in_the_middle(ids, request.suffix)
-            self.check_prompt(ids, "prompt")
-            token_ids.append(ids)
-            if not request.echo:
-                texts.append("")
-            else:
-                texts.append(item if isinstance(item, str) else await self.pool.decode(ids))
-        return token_ids, texts
-
-    @functools.cached_property
-    def fim_token_ids(self) -> tuple[int, int, int] | None:
-        """Ids of the tokenizer's fill-in-the-middle tokens (prefix, suffix, middle), if any."""
-        vocab = self.tokenizer.get_vocab()
-        for tokens in FIM_TOKENS:
-            if all(t in vocab for t in tokens):
-                return vocab[tokens[0]], vocab[tokens[1]], vocab[tokens[2]]
-        return None
-
-    async def _fill_in_the_middle(self, prefix_ids: list[int], suffix: str) -> list[int]:
-        """Prefix-suffix-middle order: <prefix> prompt <suffix> suffix <middle>."""
-        if self.fim_token_ids is None:
-            raise APIError(
-                "suffix (fill-in-the-middle) is not supported by this model: its tokenizer has "
-                "no FIM tokens such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>",
-                400,
-                "suffix",
-            )
-        prefix_id, suffix_id, middle_id = self.fim_token_ids
-        suffix_ids = await self.pool.encode(suffix, add_special_tokens=False)
-        return [prefix_id, *prefix_ids, suffix_id, *suffix_ids, middle_id]
-
-    async def response(
-        self, request: CompletionRequest, run: RequestRun, texts: list[str]
-    ) -> CompletionResponse:
-        async for _ in run.updates():
-            pass
-        choices: list[CompletionChoice] = [
-            self._response_choice(request, choice, texts[choice.prompt_index])
-            for choice in run.choices
-        ]
-        return CompletionResponse(
-            id=response_id(run), model=self.model_name, choices=choices, usage=run.usage()
-        )
-
-    def _response_choice(
-        self, request: CompletionRequest, choice: ChoiceState, prompt_text: str
-    ) -> CompletionResponseChoice:
-        echo = prompt_text if request.echo else ""
-        logprobs = None
-        if request.logprobs is not None:
-            logprobs = CompletionLogprobs()
-            if request.echo:
-                self._append_prompt_logprobs(logprobs, choice)
-            append_completion_logprobs(
-                logprobs, choice.token_ids, choice.logprobs, len(echo), self.token_text
-            )
-        return CompletionResponseChoice(
-            index=choice.index,
-            text=echo + choice.text,
-            logprobs=logprobs,
-            finish_reason=choice.finish_reason,
-            stop_reason=choice.stop_reason,
-            prompt_logprobs=vllm_prompt_logprobs(choice),
-        )
-
-    async def chunks(
-        self, request: CompletionRequest, run: RequestRun, texts: list[str]
-    ) -> AsyncIterator[CompletionResponse]:
-        chunk_id, created = response_id(run), int(time.time())
-        include_usage, continuous_usage = stream_usage(request.stream_options)
-        offsets = {c.index: 0 for c in run.choices}  # text sent so far, per choice
-        async for updates in run.updates():
-            choices = []
-            for update in updates:
-                choice = self._chunk_choice(request, update, texts, offsets)
-                if choice is not None:
-                    choices.append(choice)
-            if choices:
-                yield CompletionResponse(
-                    id=chunk_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=choices,
-                    usage=run.usage() if continuous_usage else None,
-                )
-        if include_usage:
+async def completion_chunks(
+    model: ServedModel, body: CompletionRequest, run: RequestRun, texts: list[str]
+) -> AsyncIterator[CompletionResponse]:
+    """The stream: a chunk per burst of updates, and usage if asked for."""
+    created = int(time.time())
+    include_usage, continuous_usage = stream_usage(body.stream_options)
+    offsets = {c.index: 0 for c in run.choices}  # text sent so far, per choice
+    async for updates in run.updates():
+        choices = []
+        for update in updates:
+            choice = _chunk_choice(model, body, update, texts, offsets)
+            if choice is not None:
+                choices.append(choice)
+        if choices:
             yield CompletionResponse(
-                id=chunk_id, created=created, model=self.model_name, choices=[], usage=run.usage()
+                id=run.request_id,
+                created=created,
+                model=model.name,
+                choices=choices,
+                usage=run.usage() if continuous_usage else None,
             )
-
-    def _chunk_choice(
-        self,
-        request: CompletionRequest,
-        update: ChoiceUpdate,
-        texts: list[str],
-        offsets: dict[int, int],
-    ) -> CompletionChoice | None:
-        """One choice's part of a stream chunk; None when it has nothing to show yet."""
-        choice = update.choice
-        text = update.text
-        logprobs = None if request.logprobs is None else CompletionLogprobs()
-        if update.is_first and request.echo:
-            prompt_text = texts[choice.prompt_index]
-            if logprobs is not None:
-                self._append_prompt_logprobs(logprobs, choice)
-            offsets[choice.index] += len(prompt_text)
-            text = prompt_text + text
-        if logprobs is not None:
-            append_completion_logprobs(
-                logprobs, update.token_ids, update.logprobs, offsets[choice.index], self.token_text
-            )
-        offsets[choice.index] += len(update.text)
-        if not text and logprobs is None and not choice.is_finished:
-            return None  # e.g. half of a multi-byte character
-        return CompletionChoice(
-            index=choice.index,
-            text=text,
-            logprobs=logprobs,
-            finish_reason=choice.finish_reason,
-            stop_reason=choice.stop_reason,
+    if include_usage:
+        yield CompletionResponse(
+            id=run.request_id, created=created, model=model.name, choices=[], usage=run.usage()
         )
 
-    def _append_prompt_logprobs(self, logprobs: CompletionLogprobs, choice: ChoiceState) -> None:
-        """The echoed prompt's tokens, text offsets from 0 (the first token's logprob is null)."""
-        positions = prompt_positions(choice)
-        append_completion_logprobs(logprobs, choice.prompt_token_ids, positions, 0, self.token_text)
+
+def _chunk_choice(
+    model: ServedModel,
+    body: CompletionRequest,
+    update: ChoiceUpdate,
+    texts: list[str],
+    offsets: dict[int, int],
+) -> CompletionChoice | None:
+    """One choice's part of a stream chunk; None when it has nothing to show yet."""
+    choice = update.choice
+    text = update.text
+    logprobs = None if body.logprobs is None else CompletionLogprobs()
+    if update.is_first and body.echo:
+        prompt_text = texts[choice.prompt_index]
+        if logprobs is not None:
+            _append_prompt_logprobs(model, logprobs, choice)
+        offsets[choice.index] += len(prompt_text)
+        text = prompt_text + text
+    if logprobs is not None:
+        append_completion_logprobs(
+            logprobs, update.token_ids, update.logprobs, offsets[choice.index], model.token_text
+        )
+    offsets[choice.index] += len(update.text)
+    if not text and logprobs is None and not choice.is_finished:
+        return None  # e.g. half of a multi-byte character
+    return CompletionChoice(
+        index=choice.index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=choice.finish_reason,
+        stop_reason=choice.stop_reason,
+    )
+
+
+def _append_prompt_logprobs(
+    model: ServedModel, logprobs: CompletionLogprobs, choice: ChoiceState
+) -> None:
+    """The echoed prompt's tokens, text offsets from 0 (the first token's logprob is null)."""
+    positions = prompt_positions(choice)
+    append_completion_logprobs(logprobs, choice.prompt_token_ids, positions, 0, model.token_text)

@@ -1,19 +1,21 @@
-"""A request's structured-output fields → one checked `StructuredOutputsParams` (or None).
+"""A request's structured-output fields → one `Constraint` (or None), checked as far as is cheap.
 
 Three spellings reach the same constraint: vLLM's `structured_outputs`, its older `guided_*`
-fields, and OpenAI's `response_format` (`json_object`, `json_schema`). At most one may be
-given. The grammar is compiled and validated on a thread, since a large schema takes long
-enough to stall every other request if it ran on the event loop.
+fields, and OpenAI's `response_format` (`json_object`, `json_schema`); a required or named
+`tool_choice` adds one of the server's own. At most one may be given. The front checks what it
+can see without compiling: one kind, and a non-empty value. The worker compiles the grammar
+(once per content); one that does not compile comes back as the run's first event, an error the
+front answers with a 400 naming the `Constraint.param` that gave it (`request_run.start_run`).
 """
 
 from __future__ import annotations
 
-import asyncio
+from dataclasses import dataclass
+from typing import Any
 
 from nanoserve.common.sampling_params import StructuredOutputsParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.openai.api_models import SamplingFields
-from nanoserve.structured_output.grammars import check_constraint
 
 GUIDED_FIELDS = {
     "guided_json": "json",
@@ -23,9 +25,36 @@ GUIDED_FIELDS = {
 }
 
 
-def requested_constraint(request: SamplingFields) -> tuple[StructuredOutputsParams, str] | None:
-    """The request's constraint and the field that gave it; None when it asks for none."""
-    found: list[tuple[dict, str]] = []
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint and the request field that gave it (for its 400s)."""
+
+    params: StructuredOutputsParams
+    param: str
+
+
+def request_constraint(
+    request: SamplingFields, forced: StructuredOutputsParams | None = None
+) -> Constraint | None:
+    """The request's one constraint; None when it asks for none.
+
+    `forced` is a constraint the server adds (a required or named tool choice, from `tools`);
+    it cannot be combined with one the request asks for.
+    """
+    requested = _requested_constraint(request)
+    if requested is not None and forced is not None:
+        raise APIError(
+            f"{requested.param} cannot be combined with a required or named tool_choice",
+            400,
+            requested.param,
+        )
+    if forced is not None:
+        return Constraint(forced, "tools")
+    return requested
+
+
+def _requested_constraint(request: SamplingFields) -> Constraint | None:
+    found: list[tuple[dict[str, Any], str]] = []
     if request.structured_outputs is not None:
         fields = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
         found.append((fields, "structured_outputs"))
@@ -42,12 +71,14 @@ def requested_constraint(request: SamplingFields) -> tuple[StructuredOutputsPara
         raise APIError(f"give at most one structured output field, got {names}", 400, names)
     fields, param = found[0]
     try:
-        return StructuredOutputsParams(**fields), param
+        params = StructuredOutputsParams(**fields)
     except (ValueError, TypeError) as e:
         raise APIError(str(e), 400, param) from None
+    _check_not_empty(params, param)
+    return Constraint(params, param)
 
 
-def _response_format_fields(request: SamplingFields) -> dict:
+def _response_format_fields(request: SamplingFields) -> dict[str, Any]:
     response_format = request.response_format
     assert response_format is not None
     if response_format.type == "json_object":
@@ -62,28 +93,10 @@ def _response_format_fields(request: SamplingFields) -> dict:
     return {"json": json_schema.schema_}
 
 
-async def checked_constraint(
-    request: SamplingFields, forced: StructuredOutputsParams | None = None
-) -> StructuredOutputsParams | None:
-    """The request's constraint, compiled and validated off the event loop (APIError if bad).
-
-    `forced` is a constraint the server adds (a required or named tool choice); it comes from
-    `tools`, and cannot be combined with one the request asks for.
-    """
-    requested = requested_constraint(request)
-    if requested is not None and forced is not None:
+def _check_not_empty(params: StructuredOutputsParams, param: str) -> None:
+    """A regex, a grammar or a schema's JSON text that is blank constrains to nothing useful."""
+    value = getattr(params, params.kind)
+    if isinstance(value, str) and not value.strip():
         raise APIError(
-            f"{requested[1]} cannot be combined with a required or named tool_choice",
-            400,
-            requested[1],
+            f"{param}: the {params.kind} is empty; give a non-empty {params.kind}", 400, param
         )
-    if forced is not None:
-        requested = forced, "tools"
-    if requested is None:
-        return None
-    constraint, param = requested
-    try:
-        await asyncio.to_thread(check_constraint, constraint)
-    except ValueError as e:
-        raise APIError(str(e), 400, param) from None
-    return constraint

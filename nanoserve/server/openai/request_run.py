@@ -1,97 +1,109 @@
-"""The shared run and stream machinery of every generation endpoint.
+"""RequestRun: one API request's engine requests, from fan-out to its answer over HTTP.
 
-A `RequestRun` is one API request's engine requests, from fan-out to the last delta: it hands
-the engine client one request per choice, feeds each delta that arrives through the shared
-`OutputProcessor` (text, stop strings, logprobs, finish reasons), aborts a choice that a stop
-string ended, and records the request's metrics. `sse_stream` frames any endpoint's chunks as
-server-sent events.
+`start_run` checks the room the request needs, sends the engine one request per choice of
+every prompt, and, for a constrained request, waits for the engine's first event: a grammar
+the worker could not compile comes back as that event, and is answered with a 400 before any
+header goes out. The run feeds each delta through the `OutputProcessor` (text, stop strings,
+logprobs, finish reasons), aborts a choice that a stop string ended, and records the request's
+metrics. `stream_answer` and `whole_answer` send it as SSE or as one JSON body; however the
+answer ends (done, error, client gone), the run is closed and its unfinished choices aborted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import BaseModel
 
-from nanoserve.client.engine_client import (
-    EngineClient,
-    EngineDeadError,
-    RequestRejectedError,
-    RequestStream,
-)
+from nanoserve.client.engine_client import EngineClient, RequestStream
 from nanoserve.common.protocol import RequestDelta
 from nanoserve.common.sampling_params import SamplingParams
-from nanoserve.server.errors import APIError, error_body
+from nanoserve.server.errors import ENGINE_ERRORS, ClientDisconnected, engine_error
 from nanoserve.server.metrics import ServerMetrics
-from nanoserve.server.openai.api_models import UsageInfo
+from nanoserve.server.openai.api_models import StreamOptions, UsageInfo
+from nanoserve.server.openai.checks import check_capacity, check_prompt_logprobs_size
+from nanoserve.server.openai.constraints import Constraint
+from nanoserve.server.openai.served_model import ServedModel
+from nanoserve.server.sse import EventStreamResponse, NamedEvent, sse_stream
 from nanoserve.text.output_processor import ChoiceState, ChoiceUpdate, OutputProcessor
 
-SSE_DONE = "data: [DONE]\n\n"
+R = TypeVar("R")
 
 
-@dataclass(frozen=True)
-class NamedEvent:
-    """An event with an `event:` name (the Responses API's typed events)."""
-
-    name: str
-    data: dict[str, Any]
-
-
-def sse_frame(payload: BaseModel | dict[str, Any] | NamedEvent) -> str:
-    """One server-sent event: [`event: <name>`,] `data: <json>` and the blank line ending it."""
-    if isinstance(payload, NamedEvent):
-        return f"event: {payload.name}\ndata: {json.dumps(payload.data)}\n\n"
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
-
-
-async def sse_stream(chunks: AsyncIterator[BaseModel | NamedEvent]) -> AsyncIterator[str]:
-    """Frame `chunks` as SSE; an error after the 200 headers becomes an error frame; then DONE."""
+async def start_run(
+    model: ServedModel,
+    request: Request,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    id_prefix: str,
+    constraint: Constraint | None,
+) -> RequestRun:
+    """Check room for every choice of every prompt, add them; a constrained run also waits for
+    its first event (a 400 naming `constraint.param` if its grammar did not compile)."""
+    check_prompt_logprobs_size(prompts, params)
+    num_choices = [p.n for p in params]
+    # Again, after the prompts were tokenized: the queue may have filled meanwhile.
+    check_capacity(model, sum(num_choices), "n" if max(num_choices) > 1 else "prompt")
+    processor = OutputProcessor(model.tokenizer, model.token_text)
+    run = RequestRun(model.client, model.metrics, processor, f"{id_prefix}-{uuid.uuid4().hex}")
     try:
-        async for chunk in chunks:
-            yield sse_frame(chunk)
-    except APIError as e:
-        yield sse_frame(e.body())
-    except EngineDeadError as e:
-        yield sse_frame(error_body(str(e), 503))
-    except RequestRejectedError as e:
-        yield sse_frame(error_body(str(e), 400))
-    yield SSE_DONE
+        for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+            run.add_prompt(prompt, prompt_params, index)
+        if constraint is not None:
+            await wait_unless_disconnected(request, run.wait_for_first_delta())
+    except ENGINE_ERRORS as e:
+        run.close()
+        raise engine_error(e, constraint.param if constraint is not None else None) from None
+    except BaseException:  # a client gone (the app answers 499 and counts it), a cancel
+        run.close()
+        raise
+    return run
 
 
 class RequestRun:
     """The engine requests of one API request, from fan-out to the last delta.
 
-    `close()` aborts whatever has not finished; the handler calls it however it ends
-    (done, error, client gone).
+    `close()` aborts whatever has not finished; the answer calls it however it ends.
     """
 
     def __init__(
-        self, client: EngineClient, metrics: ServerMetrics, processor: OutputProcessor
+        self,
+        client: EngineClient,
+        metrics: ServerMetrics,
+        processor: OutputProcessor,
+        request_id: str,
     ) -> None:
         self.client = client
         self.metrics = metrics
         self.processor = processor
+        self.request_id = request_id  # the answer's id; choice i is engine request `<id>-i`
         self.stream = RequestStream()
         self.arrival_time = time.monotonic()
         self.num_prompt_tokens = 0
         self.is_complete = False
+        self._first: RequestDelta | None = None  # taken by `wait_for_first_delta`, not applied
         self._last_token_time: dict[str, float] = {}
 
-    def add_prompt(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, index: int
-    ) -> None:
+    def add_prompt(self, prompt_token_ids: list[int], params: SamplingParams, index: int) -> None:
         """Send the engine one request per choice of prompt `index`."""
-        for request in self.processor.add_request(request_id, prompt_token_ids, params, index):
+        requests = self.processor.add_request(self.request_id, prompt_token_ids, params, index)
+        for request in requests:
             self.client.add_request(
                 request.request_id, request.prompt_token_ids, request.params, self.stream
             )
         self.num_prompt_tokens += len(prompt_token_ids)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+
+    async def wait_for_first_delta(self) -> None:
+        """Wait until the engine has answered: its first delta, or the error that ends the run."""
+        self._first = await self.stream.get()
 
     @property
     def choices(self) -> list[ChoiceState]:
@@ -101,13 +113,26 @@ class RequestRun:
     async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
         """Per burst of deltas, what they added to their choices, until every choice ended."""
         while self.processor.num_unfinished:
-            deltas = [await self.stream.get()]
-            while (delta := self.stream.get_nowait()) is not None:
-                deltas.append(delta)
+            deltas = await self._next_burst()
             updates = [u for u in map(self._apply, deltas) if u is not None]
             if updates:
                 yield updates
         self.is_complete = True
+
+    async def _next_burst(self) -> list[RequestDelta]:
+        """The deltas at hand, at most one per engine request (the stream merges the rest)."""
+        if self._first is not None:  # a burst of its own: the stream may hold a later delta of
+            first, self._first = self._first, None  # the same request, unmerged with this one
+            return [first]
+        deltas = [await self.stream.get()]
+        while (delta := self.stream.get_nowait()) is not None:
+            deltas.append(delta)
+        return deltas
+
+    async def finish(self) -> None:
+        """Run to the end (for a whole answer: its choices hold everything)."""
+        async for _ in self.updates():
+            pass
 
     def _apply(self, delta: RequestDelta) -> ChoiceUpdate | None:
         update = self.processor.process(delta)
@@ -146,9 +171,63 @@ class RequestRun:
             total_tokens=self.num_prompt_tokens + num_completion,
         )
 
-    def close(self) -> bool:
-        """Abort unfinished choices; True if the request ended early (client gone, error)."""
+    def close(self, client_went_away: bool = False) -> None:
+        """Abort unfinished choices (their KV blocks are freed); count a client that left."""
         unfinished = self.processor.unfinished_request_ids()
         if unfinished:
             self.client.abort(unfinished)
-        return not self.is_complete
+        if client_went_away:
+            self.metrics.http_requests_client_disconnected.inc()
+
+
+def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage on every chunk): vLLM's `stream_options`, where
+    `continuous_usage_stats` counts only with `include_usage`."""
+    if options is None:
+        return False, False
+    return options.include_usage, options.include_usage and options.continuous_usage_stats
+
+
+def stream_answer(run: RequestRun, chunks: AsyncIterator[BaseModel | NamedEvent]) -> Response:
+    """`chunks` as server-sent events; the run is closed when the stream ends, however."""
+    return EventStreamResponse(
+        sse_stream(chunks), on_close=lambda is_complete: run.close(not is_complete)
+    )
+
+
+async def whole_answer(
+    request: Request, run: RequestRun, body: Awaitable[BaseModel | dict[str, Any]]
+) -> Response:
+    """`body` (built once the run is done) as one JSON response; the run is closed after."""
+    client_went_away = False
+    try:
+        answer = await wait_unless_disconnected(request, body)
+    except ClientDisconnected:
+        client_went_away = True
+        return Response(status_code=499)  # nobody is listening any more
+    except ENGINE_ERRORS as e:
+        raise engine_error(e) from None
+    finally:
+        run.close(client_went_away)
+    text = answer.model_dump_json() if isinstance(answer, BaseModel) else json.dumps(answer)
+    return Response(text, media_type="application/json")
+
+
+async def wait_unless_disconnected(request: Request, work: Awaitable[R]) -> R:
+    """Await `work`, but raise ClientDisconnected as soon as the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientDisconnected
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -3,10 +3,10 @@
 A Responses request becomes a chat completion: `instructions` a system message, input items
 chat messages (`function_call` items an assistant turn's tool calls, `function_call_output`
 items tool messages), function tools chat tools, `text.format` a response_format. The chat
-path does the rest (template, tools, structured output, the tool parser); `OutputItems` turns
-its parsed output into output items and typed stream events. Stored responses (`store`, on by
-default) keep their conversation in a bounded `ResponseStore`, so that `previous_response_id`
-continues it.
+path does the rest (`chat.start_chat`: checks, template, tools, structured output, the run);
+`OutputItems` turns its parsed output into output items and typed stream events. Stored
+responses (`store`, on by default) keep their conversation in a bounded `ResponseStore`, so that
+`previous_response_id` continues it.
 """
 
 from __future__ import annotations
@@ -21,49 +21,47 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from nanoserve.server.errors import APIError, validation_error
-from nanoserve.server.http import respond
 from nanoserve.server.openai.api_models import ChatCompletionRequest
-from nanoserve.server.openai.chat import ChatServing
+from nanoserve.server.openai.chat import start_chat
 from nanoserve.server.openai.chat_tools import ToolPlan
-from nanoserve.server.openai.request_run import NamedEvent, RequestRun
+from nanoserve.server.openai.request_run import RequestRun, stream_answer, whole_answer
 from nanoserve.server.openai.response_output import OutputItems, new_id, response_body
 from nanoserve.server.openai.response_store import ResponseStore
 from nanoserve.server.openai.responses_models import ResponsesRequest
+from nanoserve.server.openai.served_model import ServedModel
 from nanoserve.server.openai.tool_parsers import ParsedDelta, ToolParser
 from nanoserve.server.openapi import json_body_schema
 from nanoserve.server.request_body import read_json_body
-from nanoserve.server.state import server_state
+from nanoserve.server.sse import NamedEvent
 from nanoserve.text.output_processor import ChoiceState
 
-router = APIRouter()
 
+def router(model: ServedModel, store: ResponseStore) -> APIRouter:
+    """The Responses routes, serving `model` and keeping stored responses in `store`."""
+    routes = APIRouter()
 
-@router.post("/v1/responses", openapi_extra=json_body_schema(ResponsesRequest))
-async def create_response(request: Request) -> Response:
-    state = server_state(request)
-    body = await read_json_body(request, ResponsesRequest, state.config)
-    serving = state.responses
-    turn = await serving.start(body)
-    return await respond(
-        request, turn.run, body.stream, lambda: serving.events(turn), lambda: serving.response(turn)
-    )
+    @routes.post("/v1/responses", openapi_extra=json_body_schema(ResponsesRequest))
+    async def create_response(request: Request) -> Response:
+        body = await read_json_body(request, ResponsesRequest, model.config)
+        turn = await start_turn(model, store, body, request)
+        if body.stream:
+            return stream_answer(turn.run, turn_events(turn))
+        return await whole_answer(request, turn.run, whole_turn(turn))
 
+    @routes.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        entry = store.get(response_id)
+        if entry is None:
+            raise _not_found(response_id, "response_id")
+        return JSONResponse(entry.response)
 
-@router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request) -> Response:
-    state = server_state(request)
-    entry = state.responses.store.get(response_id)
-    if entry is None:
-        raise _not_found(response_id, "response_id")
-    return JSONResponse(entry.response)
+    @routes.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        if not store.delete(response_id):
+            raise _not_found(response_id, "response_id")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
-
-@router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, request: Request) -> Response:
-    state = server_state(request)
-    if not state.responses.store.delete(response_id):
-        raise _not_found(response_id, "response_id")
-    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    return routes
 
 
 def _not_found(response_id: str, param: str) -> APIError:
@@ -72,6 +70,21 @@ def _not_found(response_id: str, param: str) -> APIError:
         404,
         param,
     )
+
+
+# The chat request's fields that a Responses request spells differently (for errors' `param`).
+RESPONSES_PARAMS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+
+
+def _in_responses_terms(error: APIError) -> APIError:
+    """A chat path error, its `param` named as the Responses request spells it."""
+    if error.param is not None:  # messages.3.content: the chat messages hold history too
+        error.param = RESPONSES_PARAMS.get(error.param.split(".", 1)[0], error.param)
+    return error
 
 
 @dataclass
@@ -83,82 +96,84 @@ class Turn:
     tools: ToolPlan
     messages: list[dict[str, Any]]  # earlier turns and this input, as chat messages
     response_id: str
+    model_name: str
+    store: ResponseStore
 
 
-class ResponsesServing:
-    """Runs Responses requests through the chat path and keeps the stored ones."""
+async def start_turn(
+    model: ServedModel, store: ResponseStore, body: ResponsesRequest, request: Request
+) -> Turn:
+    """The conversation so far and this input, started as a chat completion."""
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        entry = store.get(body.previous_response_id)
+        if entry is None:
+            raise _not_found(body.previous_response_id, "previous_response_id")
+        history = entry.messages
+    if isinstance(body.input, str):
+        items: list[dict[str, Any]] = [{"role": "user", "content": body.input}]
+    else:
+        items = [item.model_dump(exclude_none=True) for item in body.input]
+    messages = history + items_to_messages(items)
+    try:
+        chat_request = ChatCompletionRequest.model_validate(chat_body(body, messages))
+    except ValidationError as e:
+        raise validation_error([dict(error) for error in e.errors()]) from None
+    try:
+        run, tools = await start_chat(model, chat_request, request)
+    except APIError as e:
+        raise _in_responses_terms(e) from None
+    return Turn(body, run, tools, messages, new_id("resp"), model.name, store)
 
-    def __init__(self, chat: ChatServing, store: ResponseStore) -> None:
-        self.chat = chat
-        self.store = store
 
-    async def start(self, request: ResponsesRequest) -> Turn:
-        history: list[dict[str, Any]] = []
-        if request.previous_response_id is not None:
-            entry = self.store.get(request.previous_response_id)
-            if entry is None:
-                raise _not_found(request.previous_response_id, "previous_response_id")
-            history = entry.messages
-        if isinstance(request.input, str):
-            items: list[dict[str, Any]] = [{"role": "user", "content": request.input}]
-        else:
-            items = [item.model_dump(exclude_none=True) for item in request.input]
-        messages = history + items_to_messages(items)
-        try:
-            chat_request = ChatCompletionRequest.model_validate(chat_body(request, messages))
-        except ValidationError as e:
-            raise validation_error([dict(error) for error in e.errors()]) from None
-        run, tools = await self.chat.start(chat_request)
-        return Turn(request, run, tools, messages, new_id("resp"))
+async def whole_turn(turn: Turn) -> dict[str, Any]:
+    """The whole response, once the run has finished."""
+    await turn.run.finish()
+    [choice] = turn.run.choices
+    output = OutputItems()
+    for parsed in _parsed(_parser(turn), choice.text, is_final=True):
+        output.add(parsed)
+    output.close()
+    return _finish(turn, output.items, choice)
 
-    async def response(self, turn: Turn) -> dict[str, Any]:
-        async for _ in turn.run.updates():
-            pass
-        [choice] = turn.run.choices
-        output = OutputItems()
-        for parsed in _parsed(_parser(turn), choice.text, is_final=True):
-            output.add(parsed)
-        output.close()
-        return self._finish(turn, output.items, choice)
 
-    async def events(self, turn: Turn) -> AsyncIterator[NamedEvent]:
-        numbers = itertools.count()
+async def turn_events(turn: Turn) -> AsyncIterator[NamedEvent]:
+    """The typed stream: created, in_progress, the output items' events, then the end."""
+    numbers = itertools.count()
 
-        def event(data: dict[str, Any]) -> NamedEvent:
-            return NamedEvent(data["type"], {**data, "sequence_number": next(numbers)})
+    def event(data: dict[str, Any]) -> NamedEvent:
+        return NamedEvent(data["type"], {**data, "sequence_number": next(numbers)})
 
-        started = self._body(turn, [], "in_progress")
-        yield event({"type": "response.created", "response": started})
-        yield event({"type": "response.in_progress", "response": started})
-        output, parser = OutputItems(), _parser(turn)
-        async for updates in turn.run.updates():
-            for update in updates:
-                for parsed in _parsed(parser, update.text, update.choice.is_finished):
-                    for data in output.add(parsed):
-                        yield event(data)
-        for data in output.close():
-            yield event(data)
-        final = self._finish(turn, output.items, turn.run.choices[0])
-        yield event({"type": f"response.{final['status']}", "response": final})
+    started = _body(turn, [], "in_progress")
+    yield event({"type": "response.created", "response": started})
+    yield event({"type": "response.in_progress", "response": started})
+    output, parser = OutputItems(), _parser(turn)
+    async for updates in turn.run.updates():
+        for update in updates:
+            for parsed in _parsed(parser, update.text, update.choice.is_finished):
+                for data in output.add(parsed):
+                    yield event(data)
+    for data in output.close():
+        yield event(data)
+    final = _finish(turn, output.items, turn.run.choices[0])
+    yield event({"type": f"response.{final['status']}", "response": final})
 
-    def _finish(
-        self, turn: Turn, output: list[dict[str, Any]], choice: ChoiceState
-    ) -> dict[str, Any]:
-        """The finished response; stored with its conversation when `store` is on."""
-        status = "incomplete" if choice.finish_reason == "length" else "completed"
-        body = self._body(turn, output, status, _usage(turn.run, choice))
-        if turn.request.store:
-            self.store.put(body, turn.messages + items_to_messages(output))
-        return body
 
-    def _body(self, turn: Turn, output: list, status: str, usage: dict | None = None) -> dict:
-        body = response_body(
-            turn.response_id, turn.request, self.chat.model_name, output, status, usage
-        )
-        text = turn.request.text
-        if text is not None and text.format is not None:
-            body["text"] = {"format": text.format.model_dump(exclude_none=True, by_alias=True)}
-        return body
+def _finish(turn: Turn, output: list[dict[str, Any]], choice: ChoiceState) -> dict[str, Any]:
+    """The finished response; stored with its conversation when `store` is on."""
+    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    body = _body(turn, output, status, _usage(turn.run, choice))
+    if turn.request.store:
+        turn.store.put(body, turn.messages + items_to_messages(output))
+    return body
+
+
+def _body(turn: Turn, output: list, status: str, usage: dict | None = None) -> dict:
+    body = response_body(turn.response_id, turn.request, turn.model_name, output, status, usage)
+    text = turn.request.text
+    if text is not None and text.format is not None:
+        body["text"] = {"format": text.format.model_dump(exclude_none=True, by_alias=True)}
+    return body
 
 
 def _parser(turn: Turn) -> ToolParser | None:

@@ -175,3 +175,71 @@ def test_a_bad_constraint_is_a_400_naming_the_field(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and message in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "message"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "guided_regex": "(["},
+            "guided_regex",
+            "unclosed character class",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "a", "structured_outputs": {"grammar": "start: nope"}},
+            "structured_outputs",
+            "unknown name",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": MESSAGES,
+                "tool_choice": "required",
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}
+                ],
+            },
+            "tools",
+            "Invalid type",
+        ),
+    ],
+    ids=["chat regex", "completions grammar", "forced tool"],
+)
+def test_a_grammar_the_worker_cannot_compile_is_a_400_before_any_stream(
+    server: ServerProcess, path: str, fields: dict, param: str, message: str, n: int, stream: bool
+) -> None:
+    body = {"max_tokens": 5, "n": n, "stream": stream, **fields}
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_bad_text_format_schema_is_a_400_naming_text_format(
+    server: ServerProcess, stream: bool
+) -> None:
+    text = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no"}}}
+    body = {"input": "hi", "max_output_tokens": 5, "stream": stream, "text": text}
+    response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "text.format" and "Invalid type" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"guided_regex": ""}, {"structured_outputs": {"grammar": "  "}}, {"guided_json": ""}],
+    ids=["regex", "grammar", "json text"],
+)
+def test_an_empty_constraint_is_refused_in_the_front(server: ServerProcess, fields: dict) -> None:
+    body = {"prompt": "a", "max_tokens": 5, **fields}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == next(iter(fields)) and "is empty" in error["message"]

@@ -1,23 +1,15 @@
-"""What every route needs: the server's settings and the objects it serves with."""
+"""ServerConfig: what the HTTP front needs beyond the engine (names, limits, timeouts, the key).
+
+Light to import: the command line reads its defaults for its flags before anything heavy loads.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nanoserve.server.openai.tool_parsers import TOOL_PARSERS
-
-if TYPE_CHECKING:  # light to import: the command line reads ServerConfig's defaults
-    from fastapi import Request
-    from transformers import PreTrainedTokenizerBase
-
-    from nanoserve.client.engine_client import EngineClient
-    from nanoserve.server.metrics import ServerMetrics
-    from nanoserve.server.openai.chat import ChatServing
-    from nanoserve.server.openai.completions import CompletionServing
-    from nanoserve.server.openai.responses import ResponsesServing
-    from nanoserve.server.tokenizer_pool import TokenizerPool
 
 
 @dataclass(frozen=True)
@@ -60,21 +52,3 @@ class ServerConfig:
         for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-
-
-@dataclass
-class ServerState:
-    """The objects one server's routes share (kept in `app.state.server`)."""
-
-    config: ServerConfig
-    client: EngineClient
-    tokenizer: PreTrainedTokenizerBase
-    pool: TokenizerPool
-    metrics: ServerMetrics
-    completions: CompletionServing
-    chat: ChatServing
-    responses: ResponsesServing
-
-
-def server_state(request: Request) -> ServerState:
-    return request.app.state.server

@@ -1,0 +1,112 @@
+"""What the front checks before a request reaches the engine, each check written once here.
+
+The engine trusts the requests it is sent, so whatever it could not run is refused here, as a
+4xx that says what was wrong: an unknown model name (404), no room in the waiting queue (503,
+or 400 for a request that could never fit), prompt text too long to tokenize, and prompt token
+ids that are empty, do not fit the context or are outside the vocabulary. The sampling fields
+are checked where SamplingParams are built (`sampling.py`); structured-output fields where they
+become one constraint (`constraints.py`).
+"""
+
+from __future__ import annotations
+
+from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.server.errors import APIError, service_unavailable
+from nanoserve.server.openai.served_model import ServedModel
+
+# Prompt logprobs one request may ask for: prompt tokens x choices x (prompt_logprobs + 1).
+# Each entry costs the worker and the front ~100-200 bytes until the response is sent; lm-eval's
+# requests (a few prompts of up to a few thousand tokens, prompt_logprobs 1) need far fewer.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
+
+
+def check_model(model: ServedModel, name: str | None) -> None:
+    """Unknown names are a 404; a missing or empty name means the served model (vLLM)."""
+    names = model.config.served_model_names
+    if name and name not in names:
+        raise APIError(
+            f"The model `{name}` does not exist; this server serves {', '.join(names)}",
+            404,
+            "model",
+        )
+
+
+def check_capacity(model: ServedModel, num_requests: int, param: str) -> None:
+    """503 unless `num_requests` engine requests (prompts × n) fit in the waiting queue."""
+    client = model.client
+    if not client.is_ready:
+        reason = "starting or restarting" if client.is_accepting else "shutting down"
+        raise service_unavailable(f"the model worker is not ready ({reason}); retry shortly")
+    limit = model.config.max_waiting_requests
+    if limit is None:
+        return
+    if num_requests > limit:
+        raise APIError(
+            f"this request needs {num_requests} engine requests (prompts × n), more than "
+            f"the waiting queue holds (--max-waiting-requests {limit}); send fewer prompts "
+            "or choices per request",
+            400,
+            param,
+        )
+    if client.num_unstarted + num_requests > limit:
+        raise service_unavailable(
+            f"the server is busy: {client.num_unstarted} requests are waiting "
+            f"(--max-waiting-requests {limit}); retry shortly"
+        )
+
+
+def check_prompt_chars(model: ServedModel, num_chars: int, param: str) -> None:
+    """400 before tokenizing a text that cannot fit (or is over --max-prompt-chars)."""
+    limit = model.max_prompt_chars
+    if num_chars > limit:
+        raise APIError(
+            f"{param}: {num_chars} characters of text; this server takes at most {limit} "
+            f"characters per prompt (--max-prompt-chars; by default what "
+            f"{model.max_model_len} tokens of at most {model.max_token_chars} characters hold)",
+            400,
+            param,
+        )
+
+
+def check_prompt(model: ServedModel, prompt_token_ids: list[int], param: str) -> None:
+    """A prompt the engine can run: not empty, shorter than the context, every id in vocab."""
+    if not prompt_token_ids:
+        raise APIError(f"{param} is empty; give at least one token of input", 400, param)
+    num_prompt, max_model_len = len(prompt_token_ids), model.max_model_len
+    if num_prompt >= max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"your request has {num_prompt} input tokens. Please reduce the length of the "
+            "input (at least one token must be left for the output).",
+            400,
+            param,
+        )
+    check_token_ids(model, prompt_token_ids, param)
+
+
+def check_token_ids(model: ServedModel, token_ids: list[int], param: str) -> None:
+    """Every id in [0, the number of ids both the tokenizer and the model know)."""
+    limit = model.num_token_ids
+    bad = [t for t in token_ids if not 0 <= t < limit]
+    if bad:
+        raise APIError(
+            f"token ids must be in [0, {limit}), got {bad[:5]} (out of vocabulary)", 400, param
+        )
+
+
+def check_prompt_logprobs_size(prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    """Refuse a request whose prompt logprobs would hold more than MAX_PROMPT_LOGPROB_ENTRIES."""
+    num_entries = sum(
+        p.n * (len(prompt) - 1) * (p.prompt_logprobs + 1)
+        for prompt, p in zip(prompts, params, strict=True)
+        if p.prompt_logprobs is not None
+    )
+    if num_entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise APIError(
+            f"prompt logprobs for this request would hold {num_entries} entries (prompt tokens "
+            f"x n x (prompt_logprobs + 1), with echo and logprobs too); the limit is "
+            f"{MAX_PROMPT_LOGPROB_ENTRIES}: send fewer or shorter prompts, or lower n or "
+            "prompt_logprobs",
+            400,
+            "prompt_logprobs",
+        )
