@@ -141,6 +141,21 @@ def test_the_environment_switches_them_off(monkeypatch):
     assert cpu_kernels.load_cpu_kernels() is not None
 
 
+def test_without_a_compiler_they_are_a_warning_and_pytorchs_ops(tmp_path, monkeypatch, caplog):
+    def no_compiler(build_dir: Path) -> ModuleType:
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpu_kernels, "build_directory", lambda: tmp_path / "kernels")
+    monkeypatch.setattr(cpu_kernels, "compile_kernels", no_compiler)
+    load_cpu_kernels.cache_clear()
+    try:
+        assert load_cpu_kernels() is None
+    finally:
+        load_cpu_kernels.cache_clear()  # the next test gets this install's real build
+    assert "CPU kernels not built (Ninja is required" in caplog.text
+    assert "using PyTorch's ops" in caplog.text
+
+
 def test_a_second_load_imports_the_build_without_building_or_timing_again(tmp_path, timed_prefetch):
     build = FakeBuild()
     first = load_or_build(tmp_path / "kernels", build)
