@@ -16,17 +16,17 @@ ENGINE_LABELS = ["model_name", "engine"]
 
 # Fine steps between 50 and 300 ms, where autocomplete users feel the difference.
 TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2,
-    0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+    *(0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2),
+    *(0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
 ITL_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-    0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-)  # fmt: skip
+    *(0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2),
+    *(0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0),
+)
 REQUEST_BUCKETS = (
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
+    *(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+    *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -102,13 +102,15 @@ class ServerMetrics:
             "vllm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS
         )
         self.e2e_request_latency = self._histogram(
-            "vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+            "vllm:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
             REQUEST_BUCKETS,
-        )  # fmt: skip
+        )
         self.request_queue_time = self._histogram(
-            "vllm:request_queue_time_seconds", "Time a request waited before it was scheduled.",
+            "vllm:request_queue_time_seconds",
+            "Time a request waited before it was scheduled.",
             REQUEST_BUCKETS,
-        )  # fmt: skip
+        )
 
     def update_engine_stats(self, stats: EngineStats, engine: int = 0) -> None:
         """Set engine `engine`'s gauges; advance the counters it keeps as running totals."""

@@ -38,9 +38,9 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 # What rendering a client's messages with a template can raise.
 RENDER_ERRORS = (
-    jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError,
-    ZeroDivisionError, OverflowError, RecursionError,
-)  # fmt: skip
+    *(jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError),
+    *(ZeroDivisionError, OverflowError, RecursionError),
+)
 
 
 async def chat_prompt(

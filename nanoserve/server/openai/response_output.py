@@ -58,9 +58,12 @@ class OutputItems:
 
     def _open_message(self) -> list[Event]:
         self._message = {
-            "type": "message", "id": new_id("msg"), "status": "in_progress",
-            "role": "assistant", "content": [],
-        }  # fmt: skip
+            "type": "message",
+            "id": new_id("msg"),
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
         self.items.append(self._message)
         part = {"type": "output_text", "text": "", "annotations": []}
         return [
@@ -83,9 +86,13 @@ class OutputItems:
 
     def _open_call(self, call_id: str, name: str) -> list[Event]:
         self._call = {
-            "type": "function_call", "id": new_id("fc"), "call_id": call_id, "name": name,
-            "arguments": "", "status": "in_progress",
-        }  # fmt: skip
+            "type": "function_call",
+            "id": new_id("fc"),
+            "call_id": call_id,
+            "name": name,
+            "arguments": "",
+            "status": "in_progress",
+        }
         self.items.append(self._call)
         return [self._item_event("response.output_item.added", self._call)]
 
@@ -112,9 +119,11 @@ class OutputItems:
     def _call_event(self, stage: str, **fields: Any) -> Event:
         assert self._call is not None
         return {
-            "type": f"response.function_call_arguments.{stage}", "item_id": self._call["id"],
-            "output_index": self.items.index(self._call), **fields,
-        }  # fmt: skip
+            "type": f"response.function_call_arguments.{stage}",
+            "item_id": self._call["id"],
+            "output_index": self.items.index(self._call),
+            **fields,
+        }
 
 
 def response_body(
@@ -128,15 +137,26 @@ def response_body(
     """A `response` object; `request` is the ResponsesRequest it answers."""
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {
-        "id": response_id, "object": "response", "created_at": int(time.time()),
-        "status": status, "error": None, "incomplete_details": incomplete,
-        "instructions": request.instructions, "model": model, "output": output,
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "error": None,
+        "incomplete_details": incomplete,
+        "instructions": request.instructions,
+        "model": model,
+        "output": output,
         "parallel_tool_calls": request.parallel_tool_calls is not False,
-        "temperature": request.temperature, "top_p": request.top_p,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
         "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
         "tools": [t.model_dump(exclude_none=True, by_alias=True) for t in request.tools or []],
         "max_output_tokens": request.max_output_tokens,
-        "previous_response_id": request.previous_response_id, "store": request.store,
-        "text": {"format": {"type": "text"}}, "truncation": "disabled",
-        "metadata": request.metadata or {}, "user": request.user, "usage": usage,
-    }  # fmt: skip
+        "previous_response_id": request.previous_response_id,
+        "store": request.store,
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "metadata": request.metadata or {},
+        "user": request.user,
+        "usage": usage,
+    }

@@ -207,9 +207,10 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": role, "content": _text(item.get("content"), "content")})
         elif kind == "function_call":
             call = {
-                "id": item.get("call_id"), "type": "function",
+                "id": item.get("call_id"),
+                "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
-            }  # fmt: skip
+            }
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -240,11 +241,15 @@ def chat_body(request: ResponsesRequest, messages: list[dict[str, Any]]) -> dict
     """The chat completion request that answers a Responses request."""
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     body: dict[str, Any] = {
-        "model": request.model, "messages": system + messages,
-        "max_tokens": request.max_output_tokens, "temperature": request.temperature,
-        "top_p": request.top_p, "seed": request.seed, "user": request.user,
+        "model": request.model,
+        "messages": system + messages,
+        "max_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "seed": request.seed,
+        "user": request.user,
         "parallel_tool_calls": request.parallel_tool_calls,
-    }  # fmt: skip
+    }
     if request.tools:
         body["tools"] = [_chat_tool(tool) for tool in request.tools]
     choice = request.tool_choice

@@ -25,10 +25,11 @@ MAX_STOP_CHARS = 512
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,12}")
 # Request fields that map one to one onto SamplingParams when they are set.
 SAMPLING_FIELDS = (
-    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-    "min_tokens", "skip_special_tokens",
-)  # fmt: skip
+    *("n", "temperature", "top_p", "top_k", "min_p"),
+    *("presence_penalty", "frequency_penalty", "repetition_penalty"),
+    *("stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens"),
+    "skip_special_tokens",
+)
 
 
 def max_tokens_for(
@@ -85,11 +86,21 @@ def sampling_params(
     )
     try:
         params = SamplingParams(**values)
-        params.validate_for_vocab(model.num_token_ids)
     except (ValueError, TypeError) as e:
         message = str(e)  # SamplingParams' messages start with the field's name
         raise APIError(message, 400, message.split(" ", 1)[0]) from None
+    try:
+        params.validate_for_vocab(model.num_token_ids)
+    except ValueError as e:
+        raise APIError(str(e), 400, _out_of_vocab_field(params, model.num_token_ids)) from None
     return params
+
+
+def _out_of_vocab_field(params: SamplingParams, num_token_ids: int) -> str:
+    """Which of the fields `validate_for_vocab` reads holds an id outside the vocabulary."""
+    if any(not 0 <= token_id < num_token_ids for token_id in params.logit_bias or {}):
+        return "logit_bias"
+    return "stop_token_ids"
 
 
 def _set_fields(request: SamplingFields, defaults: Any) -> dict[str, Any]:

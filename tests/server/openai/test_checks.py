@@ -1,0 +1,86 @@
+"""The engine trusts the requests it is sent: everything it would refuse (an empty prompt, one
+that fills the context, token ids outside the vocabulary, stop ids and logit_bias keys outside
+it) is a 400 from the front that names the field, on every path that reaches the engine
+(completions, chat, the Responses API), and the server serves on unharmed."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import httpx
+import pytest
+
+C, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+USER = [{"role": "user", "content": "hi"}]
+OUT_OF_VOCAB = 100_000  # the tiny model's vocabulary is far smaller
+
+
+class Served(Protocol):
+    url: str
+
+
+# (name, path, body, param); `server` serves 1024 positions.
+REFUSED = [
+    ("empty text prompt", C, {"prompt": ""}, "prompt"),
+    ("empty token prompt in a batch", C, {"prompt": [[1, 2], []]}, "prompt"),
+    ("negative token id", C, {"prompt": [5, -1]}, "prompt"),
+    ("token id past the vocabulary", C, {"prompt": [5, OUT_OF_VOCAB]}, "prompt"),
+    ("prompt that fills the context", C, {"prompt": "a" * 1024}, "prompt"),
+    (
+        "stop id past the vocabulary",
+        C,
+        {"prompt": "a", "stop_token_ids": [OUT_OF_VOCAB]},
+        "stop_token_ids",
+    ),
+    (
+        "logit_bias key past the vocabulary",
+        C,
+        {"prompt": "a", "logit_bias": {str(OUT_OF_VOCAB): 1}},
+        "logit_bias",
+    ),
+    (
+        "chat prompt that fills the context",
+        CHAT,
+        {"messages": [{"role": "user", "content": "a" * 1100}]},
+        "messages",
+    ),
+    (
+        "chat stop id past the vocabulary",
+        CHAT,
+        {"messages": USER, "stop_token_ids": [OUT_OF_VOCAB]},
+        "stop_token_ids",
+    ),
+    (
+        "chat logit_bias key past the vocabulary",
+        CHAT,
+        {"messages": USER, "logit_bias": {str(OUT_OF_VOCAB): -1}},
+        "logit_bias",
+    ),
+    ("responses input that fills the context", RESPONSES, {"input": "a" * 1100}, "input"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"), [row[1:] for row in REFUSED], ids=[row[0] for row in REFUSED]
+)
+def test_what_the_engine_would_refuse_is_a_400_from_the_front(
+    server: Served, path: str, body: dict, param: str
+) -> None:
+    response = httpx.post(f"{server.url}{path}", json={"max_tokens": 2, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_template_that_renders_nothing_is_an_empty_prompt(trusting_server: Served) -> None:
+    body = {"messages": USER, "chat_template": "{{ '' }}", "max_tokens": 2}
+    response = httpx.post(f"{trusting_server.url}{CHAT}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "is empty" in error["message"]
+
+
+def test_the_server_serves_on_after_them(server: Served) -> None:
+    for _, path, body, _ in REFUSED:
+        httpx.post(f"{server.url}{path}", json={"max_tokens": 2, **body}, timeout=60)
+    ok = httpx.post(f"{server.url}{C}", json={"prompt": "a", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
