@@ -1,27 +1,47 @@
-"""The one set of helpers for tests against real `nanoserve serve` processes on 127.0.0.1 with
-ephemeral ports: start one, wait for /health, list its worker, read its metrics, stop it."""
+"""The one set of helpers for tests against servers on 127.0.0.1 with ephemeral ports.
+
+Two kinds, one interface (`url`, `port`, `wait_healthy`, `log`, `engine_ids`, `pids`, `stop`, a
+context manager), both taking `nanoserve serve`'s flags:
+
+- `InProcessServer`: the real app (`create_app`, nanoserve's h11 protocol with its deadlines,
+  `GracefulServer`) served by uvicorn from a thread of this process, against a real engine on
+  another thread (`InProcessEngineClient`). Starts in about a second: most server tests use it.
+- `ServerProcess`: `nanoserve serve ...` as a subprocess, with its worker process. For what is
+  about processes: start-up, worker deaths and restarts, heartbeats, signals, parallel ranks,
+  the command line, the memory of the front process.
+
+`build_test_engine` is the one place where tests build an engine for a server.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from nanoserve.common.config import EngineConfig
+
 API_KEY = "test-key-123"
 STARTUP_TIMEOUT_S = 240
+STOP_TIMEOUT_S = 30
 # float32: the test checkpoints are float32 and transformers (the oracle) runs them in float32;
 # `--dtype auto` would serve them in bfloat16 as vLLM does.
 TEST_FLAGS = [
-    "--num-kv-blocks", "512", "--log-level", "warning", "--shutdown-timeout", "3",
-    "--dtype", "float32",
-]  # fmt: skip
+    *("--num-kv-blocks", "512"),
+    *("--log-level", "warning"),
+    *("--shutdown-timeout", "3"),
+    *("--dtype", "float32"),
+]
 
 
 def free_port() -> int:
@@ -44,6 +64,28 @@ def child_pids(pid: int) -> list[int]:
         if parent == pid:
             children.append(int(entry))
     return children
+
+
+def build_test_engine(config: EngineConfig):
+    """The engine of an in-process test server: the one a worker process builds."""
+    from nanoserve.worker.ranks import RankPlacement, make_engine
+
+    return make_engine(config, RankPlacement())
+
+
+def wait_healthy(url: str, is_alive, log, timeout_s: float) -> None:
+    """Poll /health until it answers 200; fail at once if the server died (`is_alive()`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not is_alive():
+            raise RuntimeError(f"the server at {url} stopped:\n{log()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)  # paces the poll
+    raise TimeoutError(f"server not healthy after {timeout_s} s:\n{log()}")
 
 
 class ServerProcess:
@@ -74,17 +116,7 @@ class ServerProcess:
         self.process = subprocess.Popen([*argv, *args], stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited ({self.process.returncode}):\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.log()}")
+        wait_healthy(self.url, lambda: self.process.poll() is None, self.log, timeout_s)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
@@ -92,23 +124,178 @@ class ServerProcess:
     def worker_pids(self) -> list[int]:
         return child_pids(self.process.pid)
 
+    def engine_ids(self) -> list[int]:
+        """What serves the requests (its worker processes); a restart changes it."""
+        return self.worker_pids()
+
+    def pids(self) -> list[int]:
+        """The processes of this server: the front and its workers."""
+        return [self.process.pid, *self.worker_pids()]
+
     def stop(self) -> int:
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; the exit code. Its workers end with it."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
+                workers = self.worker_pids()  # killed with the front, not left as orphans
                 self.process.kill()
                 self.process.wait()
+                for pid in workers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
         self._log.close()
         return self.process.returncode
 
     def __enter__(self) -> ServerProcess:
-        self.wait_healthy()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+class InProcessServer:
+    """The real HTTP app and a real engine in this process, each on a thread of its own.
+
+    The flags are `nanoserve serve`'s, read by its own parser and config checks; the app, the
+    h11 protocol with its deadlines and the graceful shutdown are the ones `serve` runs. Log
+    records of the `nanoserve` and `uvicorn` loggers go to `log_path` while it runs.
+    """
+
+    def __init__(self, model: Path | str, log_path: Path, *args: str) -> None:
+        from nanoserve.client.inprocess import InProcessEngineClient
+        from nanoserve.server.app import create_app
+
+        self.log_path = log_path
+        self._log_handler = _attach_log(log_path, level=_flag(args, "--log-level", "warning"))
+        try:
+            config, server_config, tokenizer, grace_s = _configs_from_flags(model, args)
+            self.client = InProcessEngineClient(build_test_engine(config))
+            app = create_app(server_config, self.client, tokenizer, shutdown_timeout_s=grace_s)
+            self._sock = _bound_socket()
+        except BaseException:
+            _detach_log(self._log_handler)
+            raise
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = _uvicorn_server(app, server_config, self.client, grace_s)
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [self._sock]},
+            name=f"nanoserve-test-server-{self.port}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        wait_healthy(self.url, self._thread.is_alive, self.log, timeout_s)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def engine_ids(self) -> list[int]:
+        """What serves the requests (the engine thread, while it runs)."""
+        thread = self.client._thread
+        return [thread.ident] if thread is not None and thread.is_alive() and thread.ident else []
+
+    def pids(self) -> list[int]:
+        """The processes of this server: this one."""
+        return [os.getpid()]
+
+    def num_requests_in_handlers(self) -> int:
+        """HTTP requests whose handler runs now (headers in, answer not yet complete)."""
+        return len(self._server.server_state.tasks)
+
+    def stop(self) -> int:
+        """Shut down as `serve` does on SIGTERM (grace period, lifespan); 0 if all ended."""
+        self._server.should_exit = True
+        self._thread.join(timeout=STOP_TIMEOUT_S)
+        self._sock.close()
+        _detach_log(self._log_handler)
+        is_clean = not self._thread.is_alive() and not self.client.is_running
+        return 0 if is_clean else 1
+
+    def __enter__(self) -> InProcessServer:
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _flag(args: tuple[str, ...], name: str, default: str) -> str:
+    return args[args.index(name) + 1] if name in args else default
+
+
+def _configs_from_flags(model: Path | str, args: tuple[str, ...]):
+    """`serve`'s configs and tokenizer from its flags, checked as `serve` checks them."""
+    from nanoserve.cli.main import (
+        build_parser,
+        check_engine_config,
+        engine_config_from_args,
+        server_config_from_args,
+    )
+    from nanoserve.text.tokenizer import load_tokenizer
+
+    argv = ["serve", "--model", str(model), *TEST_FLAGS, *args]
+    parsed = build_parser().parse_args(argv)
+    config = engine_config_from_args(parsed, str(model))
+    model_dir = check_engine_config(config)
+    server_config = server_config_from_args(parsed, str(model), model_dir)
+    tokenizer = load_tokenizer(model_dir, chat_template=parsed.chat_template)
+    return config, server_config, tokenizer, parsed.shutdown_timeout
+
+
+def _bound_socket() -> socket.socket:
+    from nanoserve.cli.startup import bind_socket
+
+    return bind_socket("127.0.0.1", 0)
+
+
+def _uvicorn_server(app, server_config, client, grace_s: float):
+    """uvicorn as `serve` configures it (minus its logging setup: the loggers stay ours)."""
+    import uvicorn
+
+    from nanoserve.server.http_server import SHUTDOWN_FLUSH_S, GracefulServer, timed_h11_protocol
+
+    protocol = timed_h11_protocol(server_config.header_timeout_s, server_config.send_timeout_s)
+    config = uvicorn.Config(
+        app,
+        http=protocol,
+        timeout_graceful_shutdown=grace_s + SHUTDOWN_FLUSH_S,
+        lifespan="on",
+        log_config=None,
+        log_level="warning",
+    )
+    return GracefulServer(config, on_shutdown=lambda: client.begin_shutdown(grace_s))
+
+
+_SERVER_LOGGERS = ("nanoserve", "uvicorn")
+
+
+def _attach_log(path: Path, level: str) -> logging.Handler:
+    handler = logging.FileHandler(path)
+    handler.setLevel(level.upper())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in _SERVER_LOGGERS:
+        logging.getLogger(name).addHandler(handler)
+    return handler
+
+
+def _detach_log(handler: logging.Handler) -> None:
+    for name in _SERVER_LOGGERS:
+        logging.getLogger(name).removeHandler(handler)
+    handler.close()
 
 
 def read_metrics(url: str) -> dict[str, float]:

@@ -21,7 +21,8 @@ MAX_ENGINE_CORE_LINES = 1200
 
 # Everything the `serve` path does in the front before uvicorn runs: parse the flags, validate
 # the configs against the checkpoint's config.json, load the tokenizer, build the app and its
-# ZMQ engine client; plus the chat client. Then list what got imported.
+# ZMQ engine client; plus the chat client, headless nodes and the in-process engine client
+# (which runs an engine it is given, never imports one). Then list what got imported.
 FRONT_SCRIPT = """
 import json, sys
 from nanoserve.cli.main import build_parser, check_engine_config, engine_config_from_args
@@ -29,6 +30,7 @@ from nanoserve.server.app import ServerConfig, create_app
 from nanoserve.client.zmq_engine_client import ZmqEngineClient
 from nanoserve.text.tokenizer import load_tokenizer
 import nanoserve.cli.chat
+import nanoserve.client.headless, nanoserve.client.inprocess
 
 args = build_parser().parse_args(["serve", "--model", sys.argv[1], "--max-model-len", "256"])
 config = engine_config_from_args(args, args.model)

@@ -1,4 +1,5 @@
-"""The terminal chat client, driven through a pseudo-terminal against a real nanoserve server."""
+"""The terminal chat client (its own process), driven through a pseudo-terminal against the real
+server app and engine (in this process)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import ServerProcess, free_port
+from servers import InProcessServer, free_port
 from tiny_checkpoints import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -34,6 +35,7 @@ STATS = re.compile(
     r"(?: · prompt (\d+) tokens)?(.*)(?=\n)"
 )
 PROMPT = "\n> "
+SELECT_WAITS = ("poll_schedule_timeout", "do_select")  # where the kernel parks select()
 ANSI_ESCAPE = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|[=>])")
 
 
@@ -46,10 +48,10 @@ def num_requests_running(url: str) -> float:
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`nanoserve serve` on a tiny random Qwen3 with room for long replies."""
+    """The server on a tiny random Qwen3 with room for long replies."""
     tmp = tmp_path_factory.mktemp("chat_server")
     model = make_tiny_checkpoint(tmp / "model", "qwen3", max_position_embeddings=4096)
-    with ServerProcess(model, tmp / "server.log", "--api-key", API_KEY) as server:
+    with InProcessServer(model, tmp / "server.log", "--api-key", API_KEY) as server:
         yield server.url
 
 
@@ -106,6 +108,14 @@ class Terminal:
                     f"{regex.pattern!r} not on the screen; after the last match:\n"
                     f"{self.screen[self.position :]!r}"
                 )
+
+    def wait_for_key_wait(self, timeout_s: float = 10) -> None:
+        """Until the client's main thread sleeps in select() on the terminal (readline's wait
+        for a key), as the kernel reports it."""
+        deadline = time.monotonic() + timeout_s
+        while not any(f in Path(f"/proc/{self.pid}/wchan").read_text() for f in SELECT_WAITS):
+            assert time.monotonic() < deadline, "the client never waited for a key"
+            self.read(0.01)  # paces the poll, and keeps the terminal drained
 
     def type(self, keys: str) -> None:
         os.write(self.fd, keys.encode())
@@ -195,10 +205,11 @@ def test_ctrl_c_stops_the_reply_and_the_server_aborts_it(server_url: str, termin
     stats = term.stats_after("hello")
     assert int(stats.group(2)) == 3
     assert int(stats.group(3)) > 2 * HELLO_PROMPT_TOKENS
-    # Ctrl-C at the prompt quits. Wait a moment first: CPython's readline loop checks for
-    # signals only when its select() is interrupted, so a SIGINT that lands between the prompt
-    # being drawn and select() starting is noticed only at the next key (a race no typist hits).
-    time.sleep(0.3)
+    # Ctrl-C at the prompt quits. Wait for readline to wait for keys first: CPython's readline
+    # loop checks for signals only when its select() is interrupted, so a SIGINT that lands
+    # between the prompt being drawn and select() starting is noticed only at the next key (a
+    # race no typist hits).
+    term.wait_for_key_wait()
     term.type("\x03")
     assert term.wait_exit() == 0
     assert "Traceback" not in term.screen
@@ -324,7 +335,7 @@ def small_context_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     """A server whose model has a 256-token context, served without an API key."""
     tmp = tmp_path_factory.mktemp("small_context")
     model = make_tiny_checkpoint(tmp / "model", "qwen3", max_position_embeddings=256)
-    with ServerProcess(model, tmp / "server.log") as server:
+    with InProcessServer(model, tmp / "server.log") as server:
         yield server.url
 
 

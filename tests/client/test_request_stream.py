@@ -60,7 +60,8 @@ def test_get_waits_for_a_put() -> None:
     async def scenario() -> None:
         stream = RequestStream()
         reader = asyncio.ensure_future(stream.get())
-        await asyncio.sleep(0.01)
+        for _ in range(3):  # each yield lets the reader run on, up to where it waits
+            await asyncio.sleep(0)
         assert not reader.done()
         stream.put(RequestDelta("a", [1]))
         assert (await asyncio.wait_for(reader, 1)).new_token_ids == [1]

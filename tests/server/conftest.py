@@ -1,13 +1,16 @@
-"""Server fixtures: real server processes, shared per session where possible."""
+"""Server fixtures, shared per session where possible: the real app in this process against a
+real engine (`InProcessServer`), and one real `nanoserve serve` process for what a test measures
+of the front process itself."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from cycle_model import make_cycle_checkpoint
-from servers import API_KEY, ServerProcess
+from servers import API_KEY, InProcessServer, ServerProcess
 from tiny_checkpoints import make_tiny_checkpoint
 
 
@@ -34,47 +37,62 @@ def cycle_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_cycle_checkpoint(tmp_path_factory.mktemp("cycle"))
 
 
-def _serve(model: Path, tmp_path_factory: pytest.TempPathFactory, *args: str):
-    server = ServerProcess(model, tmp_path_factory.mktemp("log") / "server.log", *args)
-    try:
-        server.wait_healthy()
+@contextmanager
+def serving_in_process(
+    model: Path | str, tmp_path_factory: pytest.TempPathFactory, *args: str
+) -> Iterator[InProcessServer]:
+    """An in-process server of `model` with `serve`'s flags, stopped however the test ends."""
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with InProcessServer(model, log, *args) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     """The shared server: random tiny model, served as `tiny` and `tiny-alias`."""
-    yield from _serve(tiny_model, tmp_path_factory, "--served-model-name", "tiny", "tiny-alias")
+    with serving_in_process(
+        tiny_model, tmp_path_factory, "--served-model-name", "tiny", "tiny-alias"
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def cycle_server(
     cycle_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
+) -> Iterator[InProcessServer]:
     """A server of the cycle model that requires API_KEY."""
-    yield from _serve(
+    with serving_in_process(
         cycle_model, tmp_path_factory, "--served-model-name", "cycle", "--api-key", API_KEY
-    )
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def trusting_server(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
+) -> Iterator[InProcessServer]:
     """Takes chat templates from requests; short context, so any generation is quick (fuzzing)."""
-    yield from _serve(
+    with serving_in_process(
         tiny_model, tmp_path_factory, "--trust-request-chat-template", "--max-model-len", "64"
-    )
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def strict_server(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
+) -> Iterator[InProcessServer]:
     """One-second header, body and send timeouts."""
-    yield from _serve(
-        tiny_model, tmp_path_factory,
-        "--header-timeout", "1", "--body-timeout", "1", "--send-timeout", "1",
-    )  # fmt: skip
+    timeouts = ("--header-timeout", "1", "--body-timeout", "1", "--send-timeout", "1")
+    with serving_in_process(tiny_model, tmp_path_factory, *timeouts) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def front_process(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A real `nanoserve serve` of the tiny model: for tests of the front process's memory."""
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with ServerProcess(tiny_model, log) as server:
+        yield server

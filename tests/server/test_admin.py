@@ -5,11 +5,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from servers import ServerProcess
+from servers import InProcessServer
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-alias"])
-def test_a_served_model_by_its_id(server: ServerProcess, name: str) -> None:
+def test_a_served_model_by_its_id(server: InProcessServer, name: str) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     model = client.models.retrieve(name)
     assert (model.id, model.object, model.owned_by) == (name, "model", "nanoserve")
@@ -21,7 +21,7 @@ def test_a_served_model_by_its_id(server: ServerProcess, name: str) -> None:
 
 
 @pytest.mark.parametrize("model_id", ["gpt-4o", "Qwen/Qwen3-1.7B", "tiny/extra"])
-def test_an_unknown_model_id_is_a_404_in_openai_shape(server: ServerProcess, model_id) -> None:
+def test_an_unknown_model_id_is_a_404_in_openai_shape(server: InProcessServer, model_id) -> None:
     response = httpx.get(f"{server.url}/v1/models/{model_id}", timeout=10)
     assert response.status_code == 404
     assert response.json() == {
@@ -37,7 +37,7 @@ def test_an_unknown_model_id_is_a_404_in_openai_shape(server: ServerProcess, mod
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
 @pytest.mark.parametrize("model", ["", None], ids=["empty", "missing"])
 def test_a_request_without_a_model_name_is_served_by_the_default(
-    server: ServerProcess, path: str, model: str | None
+    server: InProcessServer, path: str, model: str | None
 ) -> None:
     body: dict = {"max_tokens": 2}
     body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from servers import API_KEY, ServerProcess
+from servers import API_KEY, InProcessServer
 
 from nanoserve.server.auth import is_guarded
 
@@ -24,11 +24,11 @@ def test_guarded_paths() -> None:
 
 
 @pytest.mark.parametrize("path", OPEN_GETS)
-def test_open_routes_need_no_key(cycle_server: ServerProcess, path: str) -> None:
+def test_open_routes_need_no_key(cycle_server: InProcessServer, path: str) -> None:
     assert httpx.get(f"{cycle_server.url}{path}", timeout=30).status_code == 200
 
 
-def test_tokenize_and_detokenize_need_no_key(cycle_server: ServerProcess) -> None:
+def test_tokenize_and_detokenize_need_no_key(cycle_server: InProcessServer) -> None:
     url = cycle_server.url
     tokens = httpx.post(f"{url}/tokenize", json={"prompt": "Hi"}, timeout=30).json()["tokens"]
     text = httpx.post(f"{url}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
@@ -42,7 +42,7 @@ def test_tokenize_and_detokenize_need_no_key(cycle_server: ServerProcess) -> Non
     ids=["no header", "wrong key", "no scheme", "other header"],
 )
 def test_v1_needs_the_key(
-    cycle_server: ServerProcess, method: str, path: str, body, headers: dict
+    cycle_server: InProcessServer, method: str, path: str, body, headers: dict
 ) -> None:
     response = httpx.request(method, f"{cycle_server.url}{path}", json=body, headers=headers)
     assert response.status_code == 401
@@ -53,14 +53,14 @@ def test_v1_needs_the_key(
 
 
 @pytest.mark.parametrize(("method", "path", "body"), GUARDED[:3])
-def test_v1_with_the_key(cycle_server: ServerProcess, method: str, path: str, body) -> None:
+def test_v1_with_the_key(cycle_server: InProcessServer, method: str, path: str, body) -> None:
     url = f"{cycle_server.url}{path}"
     assert httpx.request(method, url, json=body, headers=GOOD, timeout=30).status_code == 200
     lower = {"Authorization": f"bearer {API_KEY}"}  # the scheme is case-insensitive
     assert httpx.request(method, url, json=body, headers=lower, timeout=30).status_code == 200
 
 
-def test_the_key_is_never_logged(cycle_server: ServerProcess) -> None:
+def test_the_key_is_never_logged(cycle_server: InProcessServer) -> None:
     httpx.get(f"{cycle_server.url}/v1/models", headers={"Authorization": "Bearer wrong-key-xyz"})
     log = cycle_server.log_path.read_text(errors="replace")
     assert API_KEY not in log and "wrong-key-xyz" not in log

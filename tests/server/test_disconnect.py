@@ -9,7 +9,7 @@ import socket
 import time
 
 import httpx
-from servers import ServerProcess, read_metrics
+from servers import InProcessServer, read_metrics
 
 DISCONNECTED = "vllm:http_requests_client_disconnected_total"
 
@@ -50,7 +50,7 @@ def wait_until_idle(url: str, timeout_s: float) -> dict[str, float]:
 LONG = {"prompt": "tell me a long story", "max_tokens": 900, "ignore_eos": True}
 
 
-def test_closing_a_stream_aborts_the_request(server: ServerProcess) -> None:
+def test_closing_a_stream_aborts_the_request(server: InProcessServer) -> None:
     before = read_metrics(server.url)[DISCONNECTED]
     sock = open_request(server.port, "/v1/completions", {**LONG, "stream": True})
     read_until(sock, b"data: {")
@@ -64,7 +64,7 @@ def test_closing_a_stream_aborts_the_request(server: ServerProcess) -> None:
     assert metrics[DISCONNECTED] == before + 1
 
 
-def test_abandoning_a_plain_request_aborts_it(server: ServerProcess) -> None:
+def test_abandoning_a_plain_request_aborts_it(server: InProcessServer) -> None:
     before = read_metrics(server.url)[DISCONNECTED]
     sock = open_request(server.port, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900, "ignore_eos": True,
@@ -82,9 +82,9 @@ def num_descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def test_many_dropped_streams_then_a_normal_request(server: ServerProcess) -> None:
+def test_many_dropped_streams_then_a_normal_request(server: InProcessServer) -> None:
     before = read_metrics(server.url)[DISCONNECTED]
-    pids = [server.process.pid, *server.worker_pids()]
+    pids = server.pids()
     descriptors = [num_descriptors(pid) for pid in pids]
     sockets = [
         open_request(server.port, "/v1/completions", {**LONG, "prompt": f"{i}", "stream": True})

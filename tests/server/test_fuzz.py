@@ -3,7 +3,7 @@ valid and invalid bodies) and under a corpus of hostile bodies of our own.
 
 Each part is bounded: a fixed number of generated examples per route on a server whose short
 context keeps every generation quick, and a fixed corpus. Afterwards the server must be
-healthy, with the same worker, nothing running, no KV block in use and no traceback in its log.
+healthy, with the same engine, nothing running, no KV block in use and no traceback in its log.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from servers import ServerProcess, read_metrics
+from servers import InProcessServer, read_metrics
 
 C, CHAT, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 JSON = {"Content-Type": "application/json"}
@@ -119,10 +119,10 @@ def check_answer(response: httpx.Response, expected: int) -> None:
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == expected
 
 
-def assert_unharmed(server: ServerProcess, workers: list[int]) -> None:
-    """Healthy, same worker, idle, and no traceback or unhandled error in the log."""
+def assert_unharmed(server: InProcessServer, engines: list[int]) -> None:
+    """Healthy, same engine, idle, and no traceback or unhandled error in the log."""
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-    assert server.worker_pids() == workers
+    assert server.engine_ids() == engines
     metrics = read_metrics(server.url)
     assert metrics["vllm:num_requests_running"] == 0
     assert metrics["vllm:kv_cache_usage_perc"] == 0
@@ -131,7 +131,7 @@ def assert_unharmed(server: ServerProcess, workers: list[int]) -> None:
         assert marker not in log, log[-3000:]
 
 
-def send(server: ServerProcess, path: str, body, headers: dict) -> httpx.Response:
+def send(server: InProcessServer, path: str, body, headers: dict) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(
         f"{server.url}{path}", content=content, headers={**JSON, **headers}, timeout=60
@@ -143,18 +143,18 @@ def send(server: ServerProcess, path: str, body, headers: dict) -> httpx.Respons
     [row[1:] for row in HOSTILE],
     ids=[row[0] for row in HOSTILE],
 )
-def test_hostile_body(server: ServerProcess, path: str, body, headers, expected: int) -> None:
+def test_hostile_body(server: InProcessServer, path: str, body, headers, expected: int) -> None:
     check_answer(send(server, path, body, headers), expected)
 
 
-def test_the_server_is_unharmed_by_the_corpus(server: ServerProcess) -> None:
-    workers = server.worker_pids()
+def test_the_server_is_unharmed_by_the_corpus(server: InProcessServer) -> None:
+    engines = server.engine_ids()
     for _, path, body, headers, _ in HOSTILE:
         assert send(server, path, body, headers).status_code < 500
-    assert_unharmed(server, workers)
+    assert_unharmed(server, engines)
 
 
-def test_a_trusted_template_is_text_never_a_file(trusting_server: ServerProcess) -> None:
+def test_a_trusted_template_is_text_never_a_file(trusting_server: InProcessServer) -> None:
     url = trusting_server.url
     for path in ("/etc/passwd", "/proc/self/environ"):
         body = {"messages": USER, "chat_template": path}
@@ -168,7 +168,7 @@ def test_a_trusted_template_is_text_never_a_file(trusting_server: ServerProcess)
 
 
 @pytest.fixture(scope="module")
-def api_schema(trusting_server: ServerProcess):
+def api_schema(trusting_server: InProcessServer):
     return schemathesis.openapi.from_url(f"{trusting_server.url}/openapi.json")
 
 
@@ -187,5 +187,5 @@ def test_schemathesis_finds_no_server_error(case) -> None:
     assert response.status_code < 500, (case.as_curl_command(), response.text[:500])
 
 
-def test_the_fuzzed_server_is_unharmed(trusting_server: ServerProcess) -> None:
-    assert_unharmed(trusting_server, trusting_server.worker_pids())
+def test_the_fuzzed_server_is_unharmed(trusting_server: InProcessServer) -> None:
+    assert_unharmed(trusting_server, trusting_server.engine_ids())

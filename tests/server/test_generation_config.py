@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from servers import ServerProcess
+from servers import InProcessServer
 
 from nanoserve.text.tokenizer import load_tokenizer
 
@@ -23,12 +23,12 @@ PROMPT = "def add(a, b):"
 @pytest.fixture(scope="module")
 def defaults_server(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
+) -> Iterator[InProcessServer]:
     model_dir = tmp_path_factory.mktemp("with_defaults") / "model"
     shutil.copytree(tiny_model, model_dir)
     config_path = model_dir / "generation_config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **DEFAULTS}))
-    server = ServerProcess(model_dir, tmp_path_factory.mktemp("log") / "server.log")
+    server = InProcessServer(model_dir, tmp_path_factory.mktemp("log") / "server.log")
     try:
         server.wait_healthy()
         yield server
@@ -46,7 +46,7 @@ def greedy_reference(hf_model, token_ids: list[int], num_tokens: int, penalty: f
     return out[0, len(token_ids) :].tolist()
 
 
-def completion_text(server: ServerProcess, body: dict) -> str:
+def completion_text(server: InProcessServer, body: dict) -> str:
     body = {"prompt": PROMPT, "ignore_eos": True, **body}
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text

@@ -11,7 +11,7 @@ import socket
 import time
 
 import uvicorn
-from servers import ServerProcess, read_metrics
+from servers import InProcessServer, read_metrics
 from uvicorn.server import ServerState
 
 from nanoserve.server.http_server import timed_h11_protocol
@@ -41,7 +41,7 @@ def seconds_until_closed(sock: socket.socket) -> float:
     return time.monotonic() - started
 
 
-def test_a_connection_without_headers_is_closed(strict_server: ServerProcess) -> None:
+def test_a_connection_without_headers_is_closed(strict_server: InProcessServer) -> None:
     silent = connect(strict_server.port)
     partial = connect(strict_server.port)
     partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
@@ -49,18 +49,18 @@ def test_a_connection_without_headers_is_closed(strict_server: ServerProcess) ->
     assert seconds_until_closed(partial) < 10
 
 
-def test_keep_alive_then_a_partial_request_is_closed(strict_server: ServerProcess) -> None:
+def test_keep_alive_then_a_partial_request_is_closed(strict_server: InProcessServer) -> None:
     sock = connect(strict_server.port)
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-    time.sleep(0.5)  # an idle keep-alive connection is fine
+    time.sleep(0.5)  # the client is idle (half the header timeout): the connection stays
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")
     sock.sendall(b"GET /health HTTP/1.1\r\n")  # a third request that never ends
     assert seconds_until_closed(sock) < 10
 
 
-def test_an_unread_body_after_the_answer_is_closed(strict_server: ServerProcess) -> None:
+def test_an_unread_body_after_the_answer_is_closed(strict_server: InProcessServer) -> None:
     sock = connect(strict_server.port)
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nabc")
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")
@@ -78,7 +78,7 @@ def send_request(port: int, body: dict, receive_buffer: int) -> socket.socket:
     return sock
 
 
-def test_a_client_that_reads_nothing_is_disconnected(strict_server: ServerProcess) -> None:
+def test_a_client_that_reads_nothing_is_disconnected(strict_server: InProcessServer) -> None:
     url = strict_server.url
     before = read_metrics(url)
     sock = send_request(strict_server.port, HEAVY, receive_buffer=4096)  # and never read
@@ -95,7 +95,7 @@ def test_a_client_that_reads_nothing_is_disconnected(strict_server: ServerProces
     assert "--send-timeout" in strict_server.log()
 
 
-def test_a_client_that_reads_gets_everything(strict_server: ServerProcess) -> None:
+def test_a_client_that_reads_gets_everything(strict_server: InProcessServer) -> None:
     before = read_metrics(strict_server.url)[DISCONNECTED]
     sock = send_request(strict_server.port, {**HEAVY, "n": 8}, receive_buffer=65536)
     received = b""
@@ -138,32 +138,68 @@ class FakeTransport(asyncio.Transport):
 async def no_app(scope, receive, send) -> None: ...
 
 
+class Timer:
+    """One `call_later` of ManualClock: its deadline and callback, until cancelled."""
+
+    def __init__(self, when: float, callback, args: tuple) -> None:
+        self.when, self.callback, self.args = when, callback, args
+        self.is_cancelled = False
+
+    def cancel(self) -> None:
+        self.is_cancelled = True
+
+
+class ManualClock:
+    """The protocol's event loop, as far as its timers go: time passes when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._timers: list[Timer] = []
+
+    def call_later(self, delay: float, callback, *args) -> Timer:
+        timer = Timer(self.now + delay, callback, args)
+        self._timers.append(timer)
+        return timer
+
+    def advance(self, seconds: float) -> None:
+        """Move time on by `seconds`, running every timer that falls due, in deadline order."""
+        end = self.now + seconds
+        while due := [t for t in self._timers if not t.is_cancelled and t.when <= end]:
+            timer = min(due, key=lambda t: t.when)
+            self._timers.remove(timer)
+            self.now = timer.when
+            timer.callback(*timer.args)
+        self.now = end
+
+
 def test_the_send_timeout_waits_while_the_client_reads() -> None:
-    async def scenario() -> None:
-        config = uvicorn.Config(app=no_app)
-        config.load()
-        protocol_class = timed_h11_protocol(header_timeout_s=60, send_timeout_s=0.2)
-        protocol = protocol_class(config, ServerState(), {})
+    config = uvicorn.Config(app=no_app)
+    config.load()
+    protocol_class = timed_h11_protocol(header_timeout_s=60, send_timeout_s=0.2)
+
+    def connected(clock: ManualClock) -> tuple[FakeTransport, object]:
+        protocol = protocol_class(config, ServerState(), {}, _loop=clock)
         transport = FakeTransport()
         protocol.connection_made(transport)
-        transport.buffered_bytes = 1_000_000
-        protocol.pause_writing()  # the buffer is full
-        for _ in range(4):  # 0.8 s: the client reads a little in every period
-            await asyncio.sleep(0.15)
-            transport.buffered_bytes -= 1000
-        assert not transport.is_aborted
-        await asyncio.sleep(0.5)  # then nothing for longer than the timeout
-        assert transport.is_aborted
-        protocol.connection_lost(None)
+        return transport, protocol
 
-        protocol = protocol_class(config, ServerState(), {})
-        transport = FakeTransport()
-        protocol.connection_made(transport)
-        protocol.pause_writing()
-        await asyncio.sleep(0.1)
-        protocol.resume_writing()  # drained in time: no abort
-        await asyncio.sleep(0.3)
-        assert not transport.is_aborted
-        protocol.connection_lost(None)
+    clock = ManualClock()
+    transport, protocol = connected(clock)
+    transport.buffered_bytes = 1_000_000
+    protocol.pause_writing()  # the buffer is full
+    for _ in range(4):  # 0.6 s: the client reads a little in every period of 0.2 s
+        clock.advance(0.15)
+        transport.buffered_bytes -= 1000
+    assert not transport.is_aborted
+    clock.advance(0.5)  # then nothing for longer than the timeout
+    assert transport.is_aborted
+    protocol.connection_lost(None)
 
-    asyncio.run(scenario())
+    clock = ManualClock()
+    transport, protocol = connected(clock)
+    protocol.pause_writing()
+    clock.advance(0.1)
+    protocol.resume_writing()  # drained in time: no abort
+    clock.advance(0.3)
+    assert not transport.is_aborted
+    protocol.connection_lost(None)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import openai
 import pytest
 from cycle_model import CYCLE_TEXT
-from servers import API_KEY, ServerProcess
+from servers import API_KEY, InProcessServer
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
+def client(server: InProcessServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def cycle_client(cycle_server: ServerProcess) -> openai.OpenAI:
+def cycle_client(cycle_server: InProcessServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cycle_server.url}/v1", api_key=API_KEY, max_retries=0)
 
 

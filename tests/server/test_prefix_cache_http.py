@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import httpx
-from servers import ServerProcess, read_metrics
+from servers import InProcessServer, read_metrics
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
 
 
-def test_second_request_with_the_same_long_prompt_hits_the_cache(server: ServerProcess) -> None:
+def test_second_request_with_the_same_long_prompt_hits_the_cache(server: InProcessServer) -> None:
     prompt = "".join(chr(ord("a") + i % 26) for i in range(300))  # 300 byte tokens
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
     first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)

@@ -7,7 +7,7 @@ import socket
 import time
 
 import pytest
-from servers import ServerProcess, read_metrics
+from servers import InProcessServer, read_metrics
 
 from nanoserve.server.errors import APIError
 from nanoserve.server.openai.api_models import CompletionRequest
@@ -76,7 +76,7 @@ def read_all(sock: socket.socket) -> bytes:
     return received
 
 
-def test_a_body_that_never_arrives_is_408_then_closed(strict_server: ServerProcess) -> None:
+def test_a_body_that_never_arrives_is_408_then_closed(strict_server: InProcessServer) -> None:
     started = time.monotonic()
     sock = post_head(strict_server.port, 1000, b'{"prompt": ')  # --body-timeout 1
     answer = read_all(sock)  # ends: the server closes the connection after the answer
@@ -87,11 +87,20 @@ def test_a_body_that_never_arrives_is_408_then_closed(strict_server: ServerProce
     assert 0.9 < elapsed < 10
 
 
-def test_leaving_mid_body_is_a_disconnect(strict_server: ServerProcess) -> None:
+def wait_for_handlers(server: InProcessServer, is_expected) -> None:
+    deadline = time.monotonic() + 10
+    while not is_expected(server.num_requests_in_handlers()):
+        assert time.monotonic() < deadline, server.num_requests_in_handlers()
+        time.sleep(0.005)  # paces the poll
+
+
+def test_leaving_mid_body_is_a_disconnect(strict_server: InProcessServer) -> None:
     before = read_metrics(strict_server.url)[DISCONNECTED]
     for _ in range(5):
+        wait_for_handlers(strict_server, lambda n: n == 0)  # the last one was handled
         sock = post_head(strict_server.port, 1000, b'{"prompt": "abc')
-        time.sleep(0.1)
+        # Leave once its handler reads the body (before that it is no request yet).
+        wait_for_handlers(strict_server, lambda n: n == 1)
         sock.close()
     deadline = time.monotonic() + 10
     while read_metrics(strict_server.url)[DISCONNECTED] < before + 5:

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 from cycle_model import CYCLE_TEXT
-from servers import API_KEY, ServerProcess
+from servers import API_KEY, InProcessServer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -32,7 +32,7 @@ def stream(url: str, path: str, body: dict) -> list[str]:
         return sse_frames(response.read().decode())
 
 
-def test_completion_frames_exactly(cycle_server: ServerProcess) -> None:
+def test_completion_frames_exactly(cycle_server: InProcessServer) -> None:
     body = {
         "model": "cycle", "prompt": "H", "max_tokens": 5, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True},
@@ -55,7 +55,7 @@ def test_completion_frames_exactly(cycle_server: ServerProcess) -> None:
     assert len(chunks) == 3
 
 
-def test_chat_frames(cycle_server: ServerProcess) -> None:
+def test_chat_frames(cycle_server: InProcessServer) -> None:
     body = {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
         "stream": True,
@@ -70,7 +70,7 @@ def test_chat_frames(cycle_server: ServerProcess) -> None:
     assert all(c["usage"] is None for c in chunks)  # no include_usage: no usage chunk
 
 
-def test_multibyte_characters_are_never_split(cycle_server: ServerProcess) -> None:
+def test_multibyte_characters_are_never_split(cycle_server: InProcessServer) -> None:
     body = {"prompt": "\n", "max_tokens": 60, "temperature": 0, "stream": True}
     chunks = [json.loads(f) for f in stream(cycle_server.url, "/v1/completions", body)[:-1]]
     texts = [c["choices"][0]["text"] for c in chunks]
@@ -90,7 +90,7 @@ def test_multibyte_characters_are_never_split(cycle_server: ServerProcess) -> No
     ],
 )
 def test_stop_string_spanning_tokens_never_leaks(
-    cycle_server: ServerProcess, prompt: str, stop, include: bool, expected: str
+    cycle_server: InProcessServer, prompt: str, stop, include: bool, expected: str
 ) -> None:
     body = {
         "prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop,
@@ -106,7 +106,7 @@ def test_stop_string_spanning_tokens_never_leaks(
     assert choices[-1]["stop_reason"] == plain["choices"][0]["stop_reason"] == stop_reason
 
 
-def test_32_concurrent_streams_equal_each_alone(server: ServerProcess) -> None:
+def test_32_concurrent_streams_equal_each_alone(server: InProcessServer) -> None:
     prompts = [f"prompt number {i}: " + "x" * i for i in range(32)]
 
     def body(prompt: str, stream: bool) -> dict:

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import ServerProcess
+from servers import InProcessServer
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.server.tokenizer_pool import TokenizerPool
 from nanoserve.text.tokenizer import load_tokenizer
 
 HUGE_CHARS = 2_000_000  # ~ seconds of tokenizing with the byte-level tokenizer
+NUM_BASELINE_GAPS = 30  # token gaps of the stream measured before the huge prompts
 
 
 def test_the_pool_encodes_and_decodes_on_its_own_thread(tmp_path: Path) -> None:
@@ -44,10 +45,10 @@ def test_the_pool_encodes_and_decodes_on_its_own_thread(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def big_prompt_server(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
+) -> Iterator[InProcessServer]:
     """Takes prompts of up to 3 million characters (then refuses them for their tokens)."""
     log = tmp_path_factory.mktemp("big") / "server.log"
-    server = ServerProcess(tiny_model, log, "--max-prompt-chars", "3000000")
+    server = InProcessServer(tiny_model, log, "--max-prompt-chars", "3000000")
     try:
         server.wait_healthy()
         yield server
@@ -83,10 +84,14 @@ async def measure(url: str) -> tuple[list[float], list[float], list[int]]:
     async with httpx.AsyncClient(timeout=120) as client:
         streams: list[list[float]] = []
         streaming = asyncio.create_task(token_times(client, url, streams))
+        deadline = time.monotonic() + 60
         while sum(map(len, streams)) < 20:
-            await asyncio.sleep(0.05)
+            assert time.monotonic() < deadline, "the stream did not start"
+            await asyncio.sleep(0.05)  # paces the poll
         baseline_start = time.monotonic()
-        await asyncio.sleep(1.5)
+        while len(gaps(streams, baseline_start, time.monotonic())) < NUM_BASELINE_GAPS:
+            assert time.monotonic() < deadline, "too few tokens for a baseline"
+            await asyncio.sleep(0.05)  # paces the poll
         busy_start = time.monotonic()
         huge = "a" * HUGE_CHARS
         completion = await client.post(f"{url}/v1/completions", json={"prompt": huge})
@@ -105,7 +110,7 @@ async def measure(url: str) -> tuple[list[float], list[float], list[int]]:
 
 
 def test_streams_keep_their_pace_while_a_huge_prompt_is_tokenized(
-    big_prompt_server: ServerProcess,
+    big_prompt_server: InProcessServer,
 ) -> None:
     baseline, busy, statuses = asyncio.run(measure(big_prompt_server.url))
     assert statuses == [400, 400]  # tokenized, then refused: over the 1024-token context

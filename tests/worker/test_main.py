@@ -31,15 +31,13 @@ def test_worker_process_serves_over_zmq_and_exits_on_shutdown(tiny_model: Path) 
         config = EngineConfig(model=str(tiny_model), num_kv_blocks=16)
         worker = WorkerProcess(config, addresses, log_level="warning")
         try:
-            assert Path(f"/proc/{worker.pid}/cmdline").read_bytes().split(b"\0")[1:3] == [
-                b"-m",
-                b"nanoserve.worker.main",
-            ]
             ready = None
             deadline = time.monotonic() + 120
             while ready is None and time.monotonic() < deadline:
                 ready = await sockets.recv(1.0)
             assert isinstance(ready, Ready) and ready.pid == worker.pid
+            command = Path(f"/proc/{worker.pid}/cmdline").read_bytes().split(b"\0")
+            assert command[1:3] == [b"-m", b"nanoserve.worker.main"]
             assert (ready.num_kv_blocks, ready.block_size, ready.vocab_size) == (16, 16, 320)
             params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
             assert sockets.send(AddRequest("r", [1, 2, 3], params, time.monotonic()))

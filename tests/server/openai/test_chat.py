@@ -7,12 +7,12 @@ import json
 import httpx
 import pytest
 import torch
-from servers import ServerProcess
+from servers import InProcessServer
 
 TOLERANCE = 2e-5  # fp32 on both sides
 
 
-def test_chat_prompt_logprobs_cover_the_templated_prompt(server: ServerProcess, hf_model) -> None:
+def test_chat_prompt_logprobs_cover_the_templated_prompt(server: InProcessServer, hf_model) -> None:
     messages = [{"role": "user", "content": "Hi!"}]
     body = {"model": "tiny", "messages": messages, "max_tokens": 1, "prompt_logprobs": 0}
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
@@ -28,7 +28,7 @@ def test_chat_prompt_logprobs_cover_the_templated_prompt(server: ServerProcess, 
     assert got == pytest.approx(expected, abs=TOLERANCE)
 
 
-def test_chat_continuous_usage_stats(server: ServerProcess) -> None:
+def test_chat_continuous_usage_stats(server: InProcessServer) -> None:
     body = {
         "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
         "ignore_eos": True, "stream": True,

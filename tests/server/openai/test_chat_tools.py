@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from servers import ServerProcess
+from servers import InProcessServer
 
 from nanoserve.server.openai.api_models import ChatCompletionRequest
 from nanoserve.server.openai.chat_prompt import template_messages
@@ -49,14 +49,14 @@ HERMES_CALL = (
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
+def client(server: InProcessServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def auto_server(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
+) -> Iterator[InProcessServer]:
     log = tmp_path_factory.mktemp("log") / "server.log"
     flags = (
         "--served-model-name",
@@ -65,12 +65,12 @@ def auto_server(
         "hermes",
         "--enable-auto-tool-choice",
     )
-    with ServerProcess(tiny_model, log, *flags) as server:
+    with InProcessServer(tiny_model, log, *flags) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def auto_client(auto_server: ServerProcess) -> openai.OpenAI:
+def auto_client(auto_server: InProcessServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{auto_server.url}/v1", api_key="unused", max_retries=0)
 
 
@@ -221,7 +221,7 @@ def test_tool_choice_none_gives_text(client: openai.OpenAI) -> None:
     ],
 )  # fmt: skip
 def test_tool_choices_the_server_cannot_honour_are_a_400(
-    server: ServerProcess, fields: dict, param: str, message: str
+    server: InProcessServer, fields: dict, param: str, message: str
 ) -> None:
     body = {"messages": MESSAGES, "max_tokens": 5, **fields}
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from servers import ServerProcess
+from servers import InProcessServer
 
 from nanoserve.text.tokenizer import load_tokenizer
 
@@ -30,13 +30,13 @@ def reference(hf_model, token_ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([token_ids])).logits[0].float().log_softmax(dim=-1)
 
 
-def complete(server: ServerProcess, body: dict) -> dict:
+def complete(server: InProcessServer, body: dict) -> dict:
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def stream(server: ServerProcess, body: dict) -> list[dict]:
+def stream(server: InProcessServer, body: dict) -> list[dict]:
     chunks = []
     with httpx.stream(
         "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120
@@ -96,7 +96,7 @@ def rolling_windows(tokens: list[int], prefix: int, max_len: int):
 
 
 def test_lm_eval_loglikelihood_and_multiple_choice_match_transformers(
-    server: ServerProcess, hf_model, tokenizer
+    server: InProcessServer, hf_model, tokenizer
 ) -> None:
     context = tokenizer.encode("Question: which is a colour?\nAnswer:")
     options = [" red", " seven", " running quickly", " a"]
@@ -118,7 +118,7 @@ def test_lm_eval_loglikelihood_and_multiple_choice_match_transformers(
 
 
 def test_lm_eval_rolling_loglikelihood_matches_transformers(
-    server: ServerProcess, hf_model, tokenizer
+    server: InProcessServer, hf_model, tokenizer
 ) -> None:
     tokens = tokenizer.encode("The quick brown fox jumps over the lazy dog, again and again!")
     windows = rolling_windows(tokens, prefix=EOS, max_len=24)
@@ -147,7 +147,7 @@ def assert_logprobs_close(got: dict, expected: dict, num_offsets: int | None = N
 
 
 def test_echo_with_logprobs_scores_every_prompt_token(
-    server: ServerProcess, hf_model, tokenizer
+    server: InProcessServer, hf_model, tokenizer
 ) -> None:
     prompt = [ord(c) for c in "def add(a, b):\n    return a + b\n"]  # ASCII: 1 char a token
     body = {**lm_eval_payload([prompt]), "max_tokens": 3, "logprobs": 2, "ignore_eos": True}
@@ -174,7 +174,7 @@ def test_echo_with_logprobs_scores_every_prompt_token(
 
 
 def test_echo_with_max_tokens_zero_returns_the_scored_prompt_only(
-    server: ServerProcess, hf_model, tokenizer
+    server: InProcessServer, hf_model, tokenizer
 ) -> None:
     body = {"model": "tiny", "prompt": "Score me, please.", "echo": True, "max_tokens": 0}
     scored = complete(server, {**body, "logprobs": 0})
@@ -195,7 +195,7 @@ def test_echo_with_max_tokens_zero_returns_the_scored_prompt_only(
     assert_logprobs_close(streamed["choices"][0]["logprobs"], choice["logprobs"])
 
 
-def test_streamed_echo_equals_the_whole_response(server: ServerProcess) -> None:
+def test_streamed_echo_equals_the_whole_response(server: InProcessServer) -> None:
     body = {
         "model": "tiny", "prompt": "print('hi')", "echo": True, "logprobs": 1, "max_tokens": 6,
         "temperature": 0, "ignore_eos": True,
@@ -215,7 +215,7 @@ def test_streamed_echo_equals_the_whole_response(server: ServerProcess) -> None:
     assert chunks[0]["logprobs"]["text_offset"][num_prompt] == num_prompt
 
 
-def test_prompt_logprobs_in_vllm_shape(server: ServerProcess, hf_model, tokenizer) -> None:
+def test_prompt_logprobs_in_vllm_shape(server: InProcessServer, hf_model, tokenizer) -> None:
     body = {"model": "tiny", "prompt": "abc def", "prompt_logprobs": 2, "max_tokens": 1}
     [choice] = complete(server, body)["choices"]
     assert choice["logprobs"] is None
@@ -236,7 +236,7 @@ def test_prompt_logprobs_in_vllm_shape(server: ServerProcess, hf_model, tokenize
 # ---- stream_options ----
 
 
-def test_continuous_usage_stats_put_usage_on_every_chunk(server: ServerProcess) -> None:
+def test_continuous_usage_stats_put_usage_on_every_chunk(server: InProcessServer) -> None:
     body = {"model": "tiny", "prompt": "count", "max_tokens": 5, "ignore_eos": True}
     options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = stream(server, {**body, "stream_options": options})

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import ServerProcess
+from servers import InProcessServer
 
 from nanoserve.text.tokenizer import load_tokenizer
 
@@ -21,9 +21,9 @@ THINKING_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     log = tmp_path_factory.mktemp("demo") / "server.log"
-    server = ServerProcess(DEMO, log, "--chat-template", THINKING_TEMPLATE)
+    server = InProcessServer(DEMO, log, "--chat-template", THINKING_TEMPLATE)
     try:
         server.wait_healthy()
         yield server
@@ -31,13 +31,13 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
         server.stop()
 
 
-def complete(server: ServerProcess, path: str, body: dict) -> dict:
+def complete(server: InProcessServer, path: str, body: dict) -> dict:
     response = httpx.post(f"{server.url}{path}", json={"max_tokens": 4, **body}, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def test_suffix_frames_the_prompt_with_fim_tokens(demo_server: ServerProcess) -> None:
+def test_suffix_frames_the_prompt_with_fim_tokens(demo_server: InProcessServer) -> None:
     tokenizer = load_tokenizer(DEMO)
     fim = "<|fim_prefix|>def f(x):\n    <|fim_suffix|>\n    return y<|fim_middle|>"
     expected = len(tokenizer.encode(fim, add_special_tokens=False))
@@ -47,14 +47,14 @@ def test_suffix_frames_the_prompt_with_fim_tokens(demo_server: ServerProcess) ->
     assert isinstance(result["choices"][0]["text"], str)
 
 
-def test_echo_puts_the_prompt_before_the_completion(demo_server: ServerProcess) -> None:
+def test_echo_puts_the_prompt_before_the_completion(demo_server: InProcessServer) -> None:
     body = {"prompt": "import os\n", "temperature": 0}
     plain = complete(demo_server, "/v1/completions", body)["choices"][0]["text"]
     echoed = complete(demo_server, "/v1/completions", {**body, "echo": True})["choices"][0]
     assert echoed["text"] == "import os\n" + plain
 
 
-def test_reasoning_effort_none_turns_thinking_off(demo_server: ServerProcess) -> None:
+def test_reasoning_effort_none_turns_thinking_off(demo_server: InProcessServer) -> None:
     messages = [{"role": "user", "content": "hi"}]
     base = complete(demo_server, "/v1/chat/completions", {"messages": messages})
     off = complete(

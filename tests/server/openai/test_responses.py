@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from servers import ServerProcess
+from servers import InProcessServer
 
 TIME = {
     "type": "object",
@@ -21,7 +21,7 @@ TOOLS = [{"type": "function", "name": "get_time", "description": "Now.", "parame
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
+def client(server: InProcessServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
@@ -130,7 +130,7 @@ def test_a_streamed_function_call(client: openai.OpenAI) -> None:
 
 
 def test_stored_responses_can_be_read_and_deleted(
-    client: openai.OpenAI, server: ServerProcess
+    client: openai.OpenAI, server: InProcessServer
 ) -> None:
     response = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
     assert client.responses.retrieve(response.id).output_text == response.output_text
@@ -152,7 +152,7 @@ def test_stored_responses_can_be_read_and_deleted(
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "x"}}, 400, "tool_choice"),
     ],
 )  # fmt: skip
-def test_bad_requests(server: ServerProcess, fields: dict, status: int, param: str) -> None:
+def test_bad_requests(server: InProcessServer, fields: dict, status: int, param: str) -> None:
     body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2, **fields}
     response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
     assert response.status_code == status, response.text
