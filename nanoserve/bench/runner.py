@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from nanoserve.bench import workloads
@@ -21,6 +24,21 @@ from nanoserve.bench.client import (
 from nanoserve.bench.workloads import Phase, Workload
 
 WorkloadResults = dict[str, dict[str, PhaseResults]]  # workload -> arm -> its phases
+
+
+@contextlib.contextmanager
+def signals_end_the_run() -> Iterator[None]:
+    """While servers run, SIGTERM and SIGHUP end the run as Ctrl-C does, by KeyboardInterrupt,
+    so that every `finally` stops its servers (by default Python dies at once and leaves them
+    running: each is in a session of its own)."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    for signum in previous:
+        signal.signal(signum, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def run_workload(server: Server, workload: Workload, args: argparse.Namespace) -> PhaseResults:
@@ -110,18 +128,19 @@ def run_arms_in_turn(
     """
     results: WorkloadResults = {w.name: {} for w in built}
     descriptions, failed = [], False
-    for spec in arms:
-        server = Server(spec, model_dir, options)
-        try:
-            _start(server)
-            for workload in built:
-                results[workload.name][spec.name] = run_workload(server, workload, args)
-            status = "ok"
-        except Exception as exc:  # one arm failing must not hide the others' results
-            status, failed = _failure(spec.name, exc), True
-        finally:
-            server.stop()
-        descriptions.append(_arm_description(spec, server, status, args))
+    with signals_end_the_run():
+        for spec in arms:
+            server = Server(spec, model_dir, options)
+            try:
+                _start(server)
+                for workload in built:
+                    results[workload.name][spec.name] = run_workload(server, workload, args)
+                status = "ok"
+            except Exception as exc:  # one arm failing must not hide the others' results
+                status, failed = _failure(spec.name, exc), True
+            finally:
+                server.stop()
+            descriptions.append(_arm_description(spec, server, status, args))
     return results, descriptions, failed
 
 
@@ -141,18 +160,19 @@ def run_arms_in_rounds(
     """
     servers = {spec.name: Server(spec, model_dir, options) for spec in arms}
     statuses, failed = {}, False
-    try:
-        for name, server in servers.items():
-            try:
-                _start(server)
-                statuses[name] = "ok"
-            except Exception as exc:
-                statuses[name], failed = _failure(name, exc), True
-        names = [name for name in servers if statuses[name] == "ok"]
-        rounds = [_run_round(index, names, servers, built, args) for index in range(args.rounds)]
-    finally:
-        for server in servers.values():
-            server.stop()
+    with signals_end_the_run():
+        try:
+            for name, server in servers.items():
+                try:
+                    _start(server)
+                    statuses[name] = "ok"
+                except Exception as exc:
+                    statuses[name], failed = _failure(name, exc), True
+            names = [name for name in servers if statuses[name] == "ok"]
+            rounds = [_run_round(i, names, servers, built, args) for i in range(args.rounds)]
+        finally:
+            for server in servers.values():
+                server.stop()
     descriptions = [
         _arm_description(spec, servers[spec.name], statuses[spec.name], args) for spec in arms
     ]

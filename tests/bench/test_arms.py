@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +46,28 @@ def test_servers_run_installed_modules_with_the_callers_pythonpath(tmp_path, mon
     argv, env, _ = Server(parse_arm("hf"), tmp_path, options)._launch()
     assert argv[:3] == [sys.executable, "-m", "nanoserve.bench.hf_server"]
     assert env["PYTHONPATH"] == "/some/where"
+
+
+def test_stop_ends_the_servers_whole_group_even_after_its_leader_exited(tmp_path):
+    """A server that exited leaving a child behind: stop() still ends that child."""
+    options = ArmOptions(threads=1, max_model_len=256, startup_timeout_s=1, log_dir=tmp_path)
+    server = Server(parse_arm("cmd=leaky=serve --port {port}"), tmp_path, options)
+    pid_file = tmp_path / "child.pid"
+    script = f"sleep 300 >/dev/null 2>&1 & echo $! > {pid_file}"
+    server.process = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    assert server.process.wait(timeout=10) == 0  # the leader is gone, its child is not
+    child = int(pid_file.read_text())
+    assert Path(f"/proc/{child}").exists()
+    server.stop()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
+        assert time.monotonic() < deadline, "the server's child outlived stop()"
+        time.sleep(0.02)  # paces the poll
+    server.stop()  # a second stop is harmless
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

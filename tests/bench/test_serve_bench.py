@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +14,70 @@ from pathlib import Path
 import pytest
 
 from nanoserve.bench.workloads import WORKLOADS
+
+BENCH_TIMEOUT_S = 300
+# An OpenAI-shaped server that is ready at once and never answers a completion; it writes its
+# pid where the test reads it.
+HANGING_SERVER = """
+import http.server, json, os, sys, time
+from pathlib import Path
+
+Path(sys.argv[2]).write_text(str(os.getpid()))
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = {"/health": {}, "/v1/models": {"data": [{"id": "fake"}]}}.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.end_headers()
+        self.wfile.write(json.dumps(body or {}).encode())
+
+    def do_POST(self):
+        time.sleep(3600)
+
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+class BenchRun:
+    """`nanoserve bench` as a subprocess; stop() ends it as a user would (SIGTERM), then kills."""
+
+    def __init__(self, command: list[str], cwd: Path) -> None:
+        self.stderr_path = cwd / "bench.stderr"
+        with open(self.stderr_path, "w") as stderr:
+            self.process = subprocess.Popen(
+                command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=stderr, text=True
+            )
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait(self, timeout_s: float = BENCH_TIMEOUT_S) -> int:
+        """Its exit code; past `timeout_s` it is stopped (its servers with it): a failure."""
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            message = f"the bench ran past {timeout_s} s:\n{self.stderr[-3000:]}"
+            raise AssertionError(message) from None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # the bench stops its servers, then exits
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def run_bench(command: list[str], cwd: Path) -> tuple[int, str]:
+    """Run the bench to its end; (exit code, stderr). Stopped however the test ends."""
+    run = BenchRun(command, cwd)
+    try:
+        return run.wait(), run.stderr
+    finally:
+        run.stop()
 
 
 @pytest.mark.slow
@@ -31,8 +97,8 @@ def test_harness_end_to_end(tmp_path):
         "--num-groups", "2", "--prompts-per-group", "2", "--prefix-len", "48",
         "--question-len", "8", "--prefix-output-len", "3",
     ]  # fmt: skip
-    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
+    returncode, stderr = run_bench(command, tmp_path)
+    assert returncode == 0, stderr[-4000:]
 
     for workload in WORKLOADS:
         (out_dir,) = out.glob(f"*-{workload}")
@@ -87,11 +153,11 @@ def test_harness_rounds_end_to_end(tmp_path):
         "--num-groups", "2", "--prompts-per-group", "2", "--prefix-len", "40",
         "--question-len", "8", "--prefix-output-len", "3",
     ]  # fmt: skip
-    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stderr.count("[nanoserve] ready") == 1  # started once for both rounds
+    returncode, stderr = run_bench(command, tmp_path)
+    assert returncode == 0, stderr[-4000:]
+    assert stderr.count("[nanoserve] ready") == 1  # started once for both rounds
     # The order rotates: nanoserve first in round 1, hf first in round 2.
-    order = [line.split(": ")[1] for line in run.stderr.splitlines() if line.startswith("round ")]
+    order = [line.split(": ")[1] for line in stderr.splitlines() if line.startswith("round ")]
     assert order == ["nanoserve", "hf", "hf", "nanoserve"]
     for workload in ("scoreboard", "shared-prefix"):
         (out_dir,) = out.glob(f"*-{workload}")
@@ -124,12 +190,38 @@ def test_failing_arms_fail_fast_and_keep_their_logs(tmp_path):
         "--output-root", str(tmp_path / "results"), "--no-plots",
     ]  # fmt: skip
     started = time.monotonic()
-    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 1, run.stderr[-3000:]
-    assert "[silent] waiting for it to answer, at most 3 s" in run.stderr
-    assert f"arm silent did not answer at {url}/health or /v1/models within 3 s" in run.stderr
-    assert "(--url-timeout-s)" in run.stderr
-    log_path = re.search(r"arm dying exited with code 3 .*last lines of (\S+):", run.stderr)
-    assert log_path, run.stderr[-3000:]
+    returncode, stderr = run_bench(command, tmp_path)
+    assert returncode == 1, stderr[-3000:]
+    assert "[silent] waiting for it to answer, at most 3 s" in stderr
+    assert f"arm silent did not answer at {url}/health or /v1/models within 3 s" in stderr
+    assert "(--url-timeout-s)" in stderr
+    log_path = re.search(r"arm dying exited with code 3 .*last lines of (\S+):", stderr)
+    assert log_path, stderr[-3000:]
     assert "boom on port" in Path(log_path.group(1)).read_text()
     assert time.monotonic() - started < 120
+
+
+@pytest.mark.parametrize("rounds", ["1", "2"])
+def test_a_terminated_bench_stops_its_servers(tmp_path, rounds):
+    """SIGTERM while a server is being measured: the bench ends it before it exits itself."""
+    (tmp_path / "server.py").write_text(HANGING_SERVER)
+    pid_file = tmp_path / "server.pid"
+    arm = f"cmd=hanging={sys.executable} {tmp_path / 'server.py'} {{port}} {pid_file}"
+    flags = ["--workload", "scoreboard", "--preset", "test", "--no-plots"]
+    places = ["--model-dir", str(tmp_path / "model"), "--output-root", str(tmp_path / "results")]
+    bench = [sys.executable, "-m", "nanoserve.cli.main", "bench"]
+    command = [*bench, *flags, *places, "--arm", arm, "--rounds", rounds]
+    run = BenchRun(command, tmp_path)
+    try:
+        deadline = time.monotonic() + BENCH_TIMEOUT_S
+        while "[hanging] ready at" not in run.stderr:
+            assert run.process.poll() is None, run.stderr[-3000:]
+            assert time.monotonic() < deadline, run.stderr[-3000:]
+            time.sleep(0.05)  # paces the poll
+        server_pid = int(pid_file.read_text())
+        run.process.send_signal(signal.SIGTERM)  # its warm-up request hangs: mid-measurement
+        assert run.process.wait(timeout=60) != 0
+    finally:
+        run.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)  # ended and reaped by the bench, not left behind
