@@ -213,7 +213,8 @@ class InProcessServer:
         return len(self._server.server_state.tasks)
 
     def stop(self) -> int:
-        """Shut down as `serve` does on SIGTERM (grace period, lifespan); 0 if all ended."""
+        """Shut down as `serve` does on SIGTERM (grace period, lifespan); 0 once the server's
+        thread and the engine's have ended, 1 if one is still running."""
         self._server.should_exit = True
         self._thread.join(timeout=STOP_TIMEOUT_S)
         self._sock.close()
@@ -229,8 +230,9 @@ class InProcessServer:
             raise
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        if self.stop() != 0 and exc_type is None:
+            raise RuntimeError(f"the server at {self.url} left a thread running:\n{self.log()}")
 
 
 def _flag(args: tuple[str, ...], name: str, default: str) -> str:

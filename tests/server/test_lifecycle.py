@@ -1,4 +1,5 @@
-"""Worker death, a hung worker and graceful shutdown, each on servers of their own."""
+"""Worker death, a hung worker and graceful shutdown, on real server processes: the two worker
+deaths on one server that replaces its workers, each shutdown on a server of its own."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ def serving(model: Path, tmp_path: Path, *flags: str) -> Iterator[ServerProcess]
 def own_server(tiny_model: Path, tmp_path: Path) -> Iterator[ServerProcess]:
     with serving(tiny_model, tmp_path) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def restarting_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A server whose workers the tests kill or stop: it replaces them (and is healthy again
+    when each test ends); a silent worker is replaced after 2 s."""
+    with serving(tiny_model, tmp_path_factory.mktemp("restarting"), "--worker-timeout", "2") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -77,23 +88,24 @@ def stream_lines(url: str, body: dict) -> Iterator[str]:
         yield from (line for line in response.iter_lines() if line)
 
 
-def test_worker_killed_mid_stream_then_restarted(own_server: ServerProcess) -> None:
-    [worker] = own_server.worker_pids()
+def test_worker_killed_mid_stream_then_restarted(restarting_server: ServerProcess) -> None:
+    server = restarting_server
+    [worker] = server.worker_pids()
     body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    lines = stream_lines(own_server.url, body)
+    lines = stream_lines(server.url, body)
     assert next(lines).startswith("data: {")
     os.kill(worker, signal.SIGKILL)
     rest = list(lines)  # the stream must end by itself
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2][len("data: ") :])["error"]
     assert error["code"] == 503 and "worker" in error["message"]
-    assert httpx.get(f"{own_server.url}/health").status_code == 503
-    refused = httpx.post(f"{own_server.url}/v1/completions", json={"prompt": "x"})
+    assert httpx.get(f"{server.url}/health").status_code == 503
+    refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"})
     assert refused.status_code == 503 and "retry-after" in refused.headers
-    own_server.wait_healthy(timeout_s=120)
-    assert own_server.worker_pids() != [worker]
+    server.wait_healthy(timeout_s=120)
+    assert server.worker_pids() != [worker]
     response = httpx.post(
-        f"{own_server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30
+        f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30
     )
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] >= 1
@@ -122,32 +134,34 @@ def test_sigterm_finishes_in_flight_then_leaves_nothing(own_server: ServerProces
 
 
 @pytest.mark.slow  # two worker restarts
-def test_a_stopped_worker_is_detected_killed_and_replaced(tiny_model: Path, tmp_path: Path) -> None:
-    with serving(tiny_model, tmp_path, "--worker-timeout", "2") as server:
-        [worker] = server.worker_pids()
-        body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
-        lines = stream_lines(server.url, body)
-        assert next(lines).startswith("data: {")
-        os.kill(worker, signal.SIGSTOP)  # hung: alive, silent
-        started = time.monotonic()
-        rest = list(lines)  # the stream ends by itself: an error frame, then [DONE]
-        assert time.monotonic() - started < 20
-        assert rest[-1] == "data: [DONE]"
-        error = error_frame(rest[-2])
-        assert error["code"] == 503 and "no heartbeat" in error["message"], error
-        wait_for(lambda: not Path(f"/proc/{worker}").exists(), 10, "the hung worker killed")
-        server.wait_healthy(timeout_s=120)
-        [replacement] = server.worker_pids()
-        assert replacement != worker
-        answer = httpx.post(
-            f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30
-        )
-        assert answer.status_code == 200
+def test_a_stopped_worker_is_detected_killed_and_replaced(
+    restarting_server: ServerProcess,
+) -> None:
+    server = restarting_server
+    [worker] = server.worker_pids()
+    body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    lines = stream_lines(server.url, body)
+    assert next(lines).startswith("data: {")
+    os.kill(worker, signal.SIGSTOP)  # hung: alive, silent
+    started = time.monotonic()
+    rest = list(lines)  # the stream ends by itself: an error frame, then [DONE]
+    assert time.monotonic() - started < 20
+    assert rest[-1] == "data: [DONE]"
+    error = error_frame(rest[-2])
+    assert error["code"] == 503 and "no heartbeat" in error["message"], error
+    wait_for(lambda: not Path(f"/proc/{worker}").exists(), 10, "the hung worker killed")
+    server.wait_healthy(timeout_s=120)
+    [replacement] = server.worker_pids()
+    assert replacement != worker
+    answer = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30
+    )
+    assert answer.status_code == 200
 
-        os.kill(replacement, signal.SIGSTOP)  # an idle worker that hangs is noticed too
-        wait_for(lambda: health(server.url) == 503, 20, "/health 503 for an idle hung worker")
-        server.wait_healthy(timeout_s=120)
-        assert server.worker_pids() not in ([replacement], [])
+    os.kill(replacement, signal.SIGSTOP)  # an idle worker that hangs is noticed too
+    wait_for(lambda: health(server.url) == 503, 20, "/health 503 for an idle hung worker")
+    server.wait_healthy(timeout_s=120)
+    assert server.worker_pids() not in ([replacement], [])
 
 
 async def stream_until_end(
