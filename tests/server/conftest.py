@@ -1,6 +1,6 @@
 """Server fixtures, shared per session where possible: the real app in this process against a
-real engine (`InProcessServer`), and one real `nanoserve serve` process for what a test measures
-of the front process itself."""
+real engine (`InProcessServer`), and one real `nanoserve serve` process for what is about the
+front process itself and its workers."""
 
 from __future__ import annotations
 
@@ -92,7 +92,9 @@ def strict_server(
 def front_process(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """A real `nanoserve serve` of the tiny model: for tests of the front process's memory."""
+    """A real `nanoserve serve` of the tiny model, shared by the tests of the front process
+    itself (its memory) and of its workers' deaths: it replaces a worker that dies or is silent
+    for 2 s, and is healthy again when such a test ends."""
     log = tmp_path_factory.mktemp("log") / "server.log"
-    with ServerProcess(tiny_model, log) as server:
+    with ServerProcess(tiny_model, log, "--worker-timeout", "2") as server:
         yield server

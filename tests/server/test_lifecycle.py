@@ -1,5 +1,6 @@
 """Worker death, a hung worker and graceful shutdown, on real server processes: the two worker
-deaths on one server that replaces its workers, each shutdown on a server of its own."""
+deaths on the shared `front_process`, which replaces its workers, each shutdown on a server of
+its own."""
 
 from __future__ import annotations
 
@@ -32,16 +33,6 @@ def serving(model: Path, tmp_path: Path, *flags: str) -> Iterator[ServerProcess]
 def own_server(tiny_model: Path, tmp_path: Path) -> Iterator[ServerProcess]:
     with serving(tiny_model, tmp_path) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def restarting_server(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    """A server whose workers the tests kill or stop: it replaces them (and is healthy again
-    when each test ends); a silent worker is replaced after 2 s."""
-    with serving(tiny_model, tmp_path_factory.mktemp("restarting"), "--worker-timeout", "2") as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +79,8 @@ def stream_lines(url: str, body: dict) -> Iterator[str]:
         yield from (line for line in response.iter_lines() if line)
 
 
-def test_worker_killed_mid_stream_then_restarted(restarting_server: ServerProcess) -> None:
-    server = restarting_server
+def test_worker_killed_mid_stream_then_restarted(front_process: ServerProcess) -> None:
+    server = front_process  # it replaces the workers these tests kill
     [worker] = server.worker_pids()
     body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
     lines = stream_lines(server.url, body)
@@ -135,9 +126,9 @@ def test_sigterm_finishes_in_flight_then_leaves_nothing(own_server: ServerProces
 
 @pytest.mark.slow  # two worker restarts
 def test_a_stopped_worker_is_detected_killed_and_replaced(
-    restarting_server: ServerProcess,
+    front_process: ServerProcess,
 ) -> None:
-    server = restarting_server
+    server = front_process  # it replaces the workers these tests kill
     [worker] = server.worker_pids()
     body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
     lines = stream_lines(server.url, body)
