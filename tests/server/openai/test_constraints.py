@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from servers import ServerProcess
+from servers import InProcessServer
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 # Nested objects, arrays, enums and required fields, with bounds a random model reaches.
@@ -52,7 +52,7 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
+def client(server: InProcessServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
@@ -127,7 +127,7 @@ def test_streamed_json_is_the_same_json(client: openai.OpenAI) -> None:
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
 )
 def test_completions_follow_every_kind_of_constraint(
-    server: ServerProcess, fields: dict, check: str
+    server: InProcessServer, fields: dict, check: str
 ) -> None:
     body = {"prompt": "Answer:", "max_tokens": 60, "n": 8, "seed": 5, **fields}
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
@@ -168,7 +168,7 @@ def test_chat_takes_structured_outputs_too(client: openai.OpenAI) -> None:
     ],
 )  # fmt: skip
 def test_a_bad_constraint_is_a_400_naming_the_field(
-    server: ServerProcess, fields: dict, param: str, message: str
+    server: InProcessServer, fields: dict, param: str, message: str
 ) -> None:
     body = {"messages": MESSAGES, "max_tokens": 5, **fields}
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
@@ -210,7 +210,7 @@ def test_a_bad_constraint_is_a_400_naming_the_field(
     ids=["chat regex", "completions grammar", "forced tool"],
 )
 def test_a_grammar_the_worker_cannot_compile_is_a_400_before_any_stream(
-    server: ServerProcess, path: str, fields: dict, param: str, message: str, n: int, stream: bool
+    server: InProcessServer, path: str, fields: dict, param: str, message: str, n: int, stream: bool
 ) -> None:
     body = {"max_tokens": 5, "n": n, "stream": stream, **fields}
     response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
@@ -222,7 +222,7 @@ def test_a_grammar_the_worker_cannot_compile_is_a_400_before_any_stream(
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_bad_text_format_schema_is_a_400_naming_text_format(
-    server: ServerProcess, stream: bool
+    server: InProcessServer, stream: bool
 ) -> None:
     text = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no"}}}
     body = {"input": "hi", "max_output_tokens": 5, "stream": stream, "text": text}
@@ -237,7 +237,7 @@ def test_a_bad_text_format_schema_is_a_400_naming_text_format(
     [{"guided_regex": ""}, {"structured_outputs": {"grammar": "  "}}, {"guided_json": ""}],
     ids=["regex", "grammar", "json text"],
 )
-def test_an_empty_constraint_is_refused_in_the_front(server: ServerProcess, fields: dict) -> None:
+def test_an_empty_constraint_is_refused_in_the_front(server: InProcessServer, fields: dict) -> None:
     body = {"prompt": "a", "max_tokens": 5, **fields}
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
