@@ -113,7 +113,8 @@ class InProcessEngineClient(EngineClient):
                 self.on_start_failed(self.start_error)
             return
         self._is_ready = False
-        self._fail_all(EngineDeadError(f"the model worker failed ({type(error).__name__})"))
+        reason = f"{type(error).__name__}: {error}"  # as a worker process reports it
+        self._fail_all(EngineDeadError(f"the model worker failed ({reason})"))
         self.stats = EngineStats()
         if self.on_stats is not None:
             self.on_stats(self.stats, self.engine_index)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 
 from nanoserve.bench.workloads import WORKLOADS
 
+BENCH = [sys.executable, "-m", "nanoserve.cli.main", "bench"]
 BENCH_TIMEOUT_S = 300
 # An OpenAI-shaped server that is ready at once and never answers a completion; it writes its
 # pid where the test reads it.
@@ -84,19 +86,17 @@ def run_bench(command: list[str], cwd: Path) -> tuple[int, str]:
 def test_harness_end_to_end(tmp_path):
     """Both arms, every workload, a few requests each: the JSON has every field the table shows."""
     out = tmp_path / "results"
-    command = [
-        sys.executable, "-m", "nanoserve.cli.main", "bench",
-        "--workload", "all", "--arm", "nanoserve", "--arm", "hf",
-        "--preset", "test", "--model-dir", str(tmp_path / "model"),
-        "--output-root", str(out), "--num-warmup", "2",
-        "--nanoserve-args=--enforce-eager",  # the eager default, named so the table says so
-        "--scoreboard-prompts", "2", "--scoreboard-max-tokens", "4",
-        "--scoreboard-concurrency", "2",
-        "--concurrency", "1,2", "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
-        "--autocomplete-context", "40", "--autocomplete-chars", "6", "--typing-cps", "40",
-        "--num-groups", "2", "--prompts-per-group", "2", "--prefix-len", "48",
-        "--question-len", "8", "--prefix-output-len", "3",
-    ]  # fmt: skip
+    flags = shlex.split(
+        "--workload all --arm nanoserve --arm hf --preset test --num-warmup 2"
+        " --scoreboard-prompts 2 --scoreboard-max-tokens 4 --scoreboard-concurrency 2"
+        " --concurrency 1,2 --num-prompts 2 --input-len 16 --output-len 4"
+        " --autocomplete-context 40 --autocomplete-chars 6 --typing-cps 40"
+        " --num-groups 2 --prompts-per-group 2 --prefix-len 48 --question-len 8"
+        " --prefix-output-len 3"
+    )
+    # --enforce-eager is the default, named so that the table says so.
+    places = ["--model-dir", str(tmp_path / "model"), "--output-root", str(out)]
+    command = [*BENCH, *flags, *places, "--nanoserve-args=--enforce-eager"]
     returncode, stderr = run_bench(command, tmp_path)
     assert returncode == 0, stderr[-4000:]
 
@@ -143,16 +143,15 @@ def test_harness_end_to_end(tmp_path):
 def test_harness_rounds_end_to_end(tmp_path):
     """--rounds 2: both servers up at once, one pooled table plus one table per round."""
     out = tmp_path / "results"
-    command = [
-        sys.executable, "-m", "nanoserve.cli.main", "bench",
-        "--workload", "scoreboard", "shared-prefix", "--arm", "nanoserve", "--arm", "hf",
-        "--rounds", "2", "--preset", "test", "--model-dir", str(tmp_path / "model"),
-        "--output-root", str(out), "--num-warmup", "1", "--no-plots",
-        "--scoreboard-prompts", "2", "--scoreboard-max-tokens", "3",
-        "--scoreboard-concurrency", "2",
-        "--num-groups", "2", "--prompts-per-group", "2", "--prefix-len", "40",
-        "--question-len", "8", "--prefix-output-len", "3",
-    ]  # fmt: skip
+    flags = shlex.split(
+        "--workload scoreboard shared-prefix --arm nanoserve --arm hf --rounds 2 --preset test"
+        " --num-warmup 1 --no-plots"
+        " --scoreboard-prompts 2 --scoreboard-max-tokens 3 --scoreboard-concurrency 2"
+        " --num-groups 2 --prompts-per-group 2 --prefix-len 40 --question-len 8"
+        " --prefix-output-len 3"
+    )
+    places = ["--model-dir", str(tmp_path / "model"), "--output-root", str(out)]
+    command = [*BENCH, *flags, *places]
     returncode, stderr = run_bench(command, tmp_path)
     assert returncode == 0, stderr[-4000:]
     assert stderr.count("[nanoserve] ready") == 1  # started once for both rounds
@@ -183,12 +182,9 @@ def test_failing_arms_fail_fast_and_keep_their_logs(tmp_path):
 
     url = f"http://127.0.0.1:{free_port()}"
     dying = "cmd=dying=python -c 'print(\"boom on port {port}\"); raise SystemExit(3)'"
-    command = [
-        sys.executable, "-m", "nanoserve.cli.main", "bench", "--workload", "scoreboard",
-        "--arm", f"url=silent={url}", "--arm", dying, "--url-timeout-s", "3",
-        "--preset", "test", "--model-dir", str(tmp_path / "model"),
-        "--output-root", str(tmp_path / "results"), "--no-plots",
-    ]  # fmt: skip
+    flags = ["--workload", "scoreboard", "--url-timeout-s", "3", "--preset", "test", "--no-plots"]
+    places = ["--model-dir", str(tmp_path / "model"), "--output-root", str(tmp_path / "results")]
+    command = [*BENCH, *flags, *places, "--arm", f"url=silent={url}", "--arm", dying]
     started = time.monotonic()
     returncode, stderr = run_bench(command, tmp_path)
     assert returncode == 1, stderr[-3000:]
@@ -209,8 +205,7 @@ def test_a_terminated_bench_stops_its_servers(tmp_path, rounds):
     arm = f"cmd=hanging={sys.executable} {tmp_path / 'server.py'} {{port}} {pid_file}"
     flags = ["--workload", "scoreboard", "--preset", "test", "--no-plots"]
     places = ["--model-dir", str(tmp_path / "model"), "--output-root", str(tmp_path / "results")]
-    bench = [sys.executable, "-m", "nanoserve.cli.main", "bench"]
-    command = [*bench, *flags, *places, "--arm", arm, "--rounds", rounds]
+    command = [*BENCH, *flags, *places, "--arm", arm, "--rounds", rounds]
     run = BenchRun(command, tmp_path)
     try:
         deadline = time.monotonic() + BENCH_TIMEOUT_S

@@ -39,5 +39,7 @@ def test_stopping_finishes_streams_then_leaves_no_thread_and_a_free_port(
     assert '"finish_reason":"length"' in rest[-2]
     assert code == 0 and not server.client.is_running
     assert set(threading.enumerate()) <= threads_before
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", server.port))  # nobody listens there any more
+    with socket.socket() as sock:  # nobody listens there any more: a new server may bind it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as serve binds (TIME_WAIT)
+        sock.bind(("127.0.0.1", server.port))
+        sock.listen()

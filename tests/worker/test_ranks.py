@@ -28,9 +28,15 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def expected(checkpoint: Path) -> list[tuple[str, list[float]]]:
-    """One rank's greedy text and its tokens' logprobs, in-process."""
-    llm = LLM(str(checkpoint), dtype="float32", max_model_len=512)
+def one_rank(checkpoint: Path) -> LLM:
+    """The model on one rank, in-process: the reference."""
+    return LLM(str(checkpoint), dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def expected(one_rank: LLM) -> list[tuple[str, list[float]]]:
+    """One rank's greedy text and its tokens' logprobs."""
+    llm = one_rank
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
     return [
@@ -41,8 +47,8 @@ def expected(checkpoint: Path) -> list[tuple[str, list[float]]]:
 
 def assert_greedy_matches(url: str, expected: list[tuple[str, list[float]]]) -> None:
     for prompt, (text, logprobs) in zip(PROMPTS, expected, strict=True):
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                "logprobs": 0}  # fmt: skip
+        greedy = {"temperature": 0, "ignore_eos": True, "logprobs": 0}
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, **greedy}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
@@ -50,9 +56,8 @@ def assert_greedy_matches(url: str, expected: list[tuple[str, list[float]]]) -> 
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=1e-4)
 
 
-def assert_prompt_logprobs_match(url: str, checkpoint: Path) -> None:
+def assert_prompt_logprobs_match(url: str, llm: LLM) -> None:
     """Scoring a prompt makes rank 0 gather logits of prompt rows: the followers must follow."""
-    llm = LLM(str(checkpoint), dtype="float32", max_model_len=512)
     prompt = PROMPTS[1]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     [output] = llm.generate([prompt], params)
@@ -78,12 +83,14 @@ def wait_status(url: str, status: int, timeout_s: float) -> None:
     raise AssertionError(f"/health did not answer {status} within {timeout_s} s")
 
 
-def test_two_ranks_give_one_ranks_tokens_and_survive_a_dead_rank(checkpoint, expected, tmp_path):
+def test_two_ranks_give_one_ranks_tokens_and_survive_a_dead_rank(
+    checkpoint, one_rank, expected, tmp_path
+):
     with ServerProcess(checkpoint, tmp_path / "server.log", "-tp", "2") as server:
         ranks = server.worker_pids()
         assert len(ranks) == 2  # the front started both ranks
         assert_greedy_matches(server.url, expected)
-        assert_prompt_logprobs_match(server.url, checkpoint)
+        assert_prompt_logprobs_match(server.url, one_rank)
 
         os.kill(server.worker_pids()[-1], signal.SIGKILL)  # rank 1 dies
         wait_status(server.url, 503, timeout_s=30)  # the group is down: not ready
@@ -95,8 +102,8 @@ def test_two_ranks_give_one_ranks_tokens_and_survive_a_dead_rank(checkpoint, exp
 def test_two_machines_on_loopback_serve_one_model(checkpoint, expected, tmp_path):
     port = str(free_port())
     group = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
-    node1 = ServerProcess(checkpoint, tmp_path / "node1.log", "--headless", "--node-rank", "1",
-                          *group)  # fmt: skip
+    headless = ["--headless", "--node-rank", "1", *group]
+    node1 = ServerProcess(checkpoint, tmp_path / "node1.log", *headless)
     try:
         with ServerProcess(checkpoint, tmp_path / "node0.log", "--node-rank", "0", *group) as node0:
             assert len(node0.worker_pids()) == 1  # node 0 runs rank 0 only
