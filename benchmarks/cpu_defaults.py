@@ -22,7 +22,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.bench.machine import measure_read_bandwidth_gb_s
-from nanoserve.core.attention.eager import decode_group_attention
+from nanoserve.core.attention.reference import decode_group_attention
 from nanoserve.platforms.cpu.fused_ops import use_fused_cpu_ops
 from nanoserve.platforms.cpu.linear import PackedLinearMethod, decode_gemv, pack, packed_linear
 from tests.tiny_checkpoints import make_tiny_checkpoint
@@ -181,7 +181,7 @@ def measure_gemv(rounds: int) -> None:
     measure_gemv_products()
     llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
     method = next(
-        m.method for m in llm.engine.runner.model.modules()
+        m.method for m in llm.engine.model.modules()
         if isinstance(getattr(m, "method", None), PackedLinearMethod)
     )  # fmt: skip
     gemv = method.gemv
@@ -200,7 +200,7 @@ def measure_decode_attention(rounds: int) -> None:
     """One model, decode attention by our kernel and by the eager path, round by round, after
     a short and a long prompt."""
     llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=2048)
-    backend = llm.engine.runner.attention_backend
+    backend = llm.engine.kv_cache.backend
     kernel = backend.attend_decodes
     switches = {
         "eager": lambda: setattr(backend, "attend_decodes", decode_group_attention),

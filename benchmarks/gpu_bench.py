@@ -35,6 +35,7 @@ from nanoserve.bench.models import ALLOWED_OUTPUT_IDS, decode_weight_bytes, make
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.core.engine import Engine
+from nanoserve.engine_setup import build_engine
 
 CONCURRENCY = (8, 32, 128)
 PROMPT_LEN, OUTPUT_LEN = 128, 128
@@ -95,7 +96,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dic
 
 def bench_nanoserve(model_dir: Path, device: torch.device, seed: int) -> dict:
     started = time.perf_counter()
-    engine = Engine(
+    engine = build_engine(
         EngineConfig(
             model=str(model_dir), dtype="bfloat16", device=device.type, max_model_len=4096,
             max_num_seqs=max(CONCURRENCY), gpu_memory_utilization=0.8,
@@ -103,8 +104,9 @@ def bench_nanoserve(model_dir: Path, device: torch.device, seed: int) -> dict:
     )  # fmt: skip
     engine.warm_up()
     result: dict = {"startup_s": time.perf_counter() - started}
-    result["graph_capture_s"] = engine.runner.graph_capture_time_s
-    result["attention_backend"] = engine.runner.attention_backend.name
+    graphs = [r for r in engine.runner.step_runners if hasattr(r, "capture_time_s")]
+    result["graph_capture_s"] = graphs[0].capture_time_s if graphs else 0.0
+    result["attention_backend"] = engine.kv_cache.backend.name
     single = run_engine(engine, random_prompts(1, PROMPT_LEN, seed), SINGLE_OUTPUT_LEN)
     decode_s = single["total_s"] - single["first_token_s"]
     result["single_stream_tok_s"] = (SINGLE_OUTPUT_LEN - 1) / decode_s

@@ -117,7 +117,7 @@ def make_prompts(num_prompts: int, seed: int) -> list[list[int]]:
 
 def load_nanoserve(model_dir: Path, compile_decode: bool):
     from nanoserve.common.config import EngineConfig
-    from nanoserve.core.engine import Engine
+    from nanoserve.engine_setup import build_engine
 
     config = EngineConfig(
         model=str(model_dir),
@@ -127,7 +127,7 @@ def load_nanoserve(model_dir: Path, compile_decode: bool):
         max_num_seqs=64,
         compile_decode=compile_decode,
     )
-    return Engine(config)
+    return build_engine(config)
 
 
 def run_nanoserve(engine, name: str, prompts: list[list[int]], output_len: int, at_once: bool):

@@ -28,6 +28,7 @@ from nanoserve.bench.models import make_dummy_checkpoint
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.core.engine import Engine
+from nanoserve.engine_setup import build_engine
 
 MODELS = {"tiny": "tiny", "0.6b": "qwen3-0.6b"}
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "nanoserve" / "bench-models"
@@ -50,7 +51,8 @@ def time_one(engine: Engine, prompt: list[int], prompt_logprobs: int | None, nam
 
 
 def measure(model_dir: Path, prompt_len: int, rounds: int) -> dict[str, list[float]]:
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=prompt_len + 16))
+    config = EngineConfig(model=str(model_dir), device="cpu", max_model_len=prompt_len + 16)
+    engine = build_engine(config)
     rng = random.Random(0)
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for round_index in range(rounds + 1):  # round 0 warms up and is not counted

@@ -27,8 +27,9 @@ import torch
 from nanoserve.common.checkpoint import DEMO_MODEL_DIR
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
-from nanoserve.core.attention.metadata import build_attention_metadata
 from nanoserve.core.engine import Engine
+from nanoserve.core.step_layout import StepLayout
+from nanoserve.engine_setup import build_engine
 from nanoserve.text.tokenizer import load_tokenizer
 from tests.tiny_checkpoints import make_fp8_checkpoint
 
@@ -61,20 +62,23 @@ def window_nats(engine: Engine, tokens: list[int], step: int | None = None) -> f
     """Teacher-forced negative log-likelihood of tokens[1:] given their prefixes, in nats: in
     one pass, or `step` tokens at a time over the KV cache, as decode steps run (on CPU, int8
     linears multiply 8 tokens or fewer with the decode GEMV, not the prefill's matmul)."""
-    runner = engine.runner
-    n, block_size = len(tokens), runner.block_size
-    ids = torch.tensor(tokens, device=runner.device)
+    model, backend, device = engine.model, engine.kv_cache.backend, engine.device
+    n, block_size = len(tokens), engine.kv_cache.block_size
+    ids = torch.tensor(tokens, device=device)
     table = list(range(-(-n // block_size)))  # blocks 0.. of the idle engine's cache
     logprobs = []
     for start in range(0, n, step or n):
         end = min(n, start + (step or n))
-        meta = build_attention_metadata(
-            [end - start], [end], [table[: -(-end // block_size)]], list(range(start, end)),
-            block_size, runner.device, eager_fields=runner.attention_backend.uses_eager_metadata,
-        )  # fmt: skip
-        positions = torch.arange(start, end, device=runner.device)
-        hidden = runner.model(ids[start:end], positions, meta)  # [end - start, hidden]
-        logprobs.append(runner.model.compute_logits(hidden).log_softmax(-1))
+        layout = StepLayout(
+            query_lens=[end - start],
+            seq_lens=[end],
+            block_tables=[table[: -(-end // block_size)]],
+            slot_mapping=list(range(start, end)),
+        )
+        meta = backend.build_metadata(layout, block_size, device)
+        positions = torch.arange(start, end, device=device)
+        hidden = model(ids[start:end], positions, meta)  # [end - start, hidden]
+        logprobs.append(model.compute_logits(hidden).log_softmax(-1))
     return -torch.cat(logprobs)[:-1].gather(1, ids[1:, None]).sum().item()  # [n - 1] picked
 
 
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, reference = [], None
     for name, settings in variants.items():
         started = time.perf_counter()
-        engine = Engine(EngineConfig(dtype="bfloat16", device="cpu", **settings))
+        engine = build_engine(EngineConfig(dtype="bfloat16", device="cpu", **settings))
         bpb = bits_per_byte(engine, tokenizer, chunks)
         tokens = greedy(engine, tokenizer, args.greedy_tokens)
         reference = reference or tokens

@@ -246,11 +246,11 @@ def check_validity(engine, tokenizer, num_requests: int) -> int:
 
 def run_overhead(args: argparse.Namespace) -> None:
     from nanoserve.common.config import EngineConfig
-    from nanoserve.core.engine import Engine
+    from nanoserve.engine_setup import build_engine
     from nanoserve.text.tokenizer import load_tokenizer
 
     model_dir = model_dir_with_tokenizer(Path(args.tokenizer))
-    engine = Engine(
+    engine = build_engine(
         EngineConfig(model=str(model_dir), load_format="dummy", max_model_len=1024, max_num_seqs=64)
     )
     engine.warm_up()

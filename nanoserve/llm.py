@@ -12,9 +12,8 @@ import itertools
 from nanoserve.common.checkpoint import DEMO_MODEL_NAME, load_generation_defaults, resolve_tokenizer
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
-from nanoserve.core.engine import Engine
+from nanoserve.engine_setup import build_engine
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoserve.structured_output.grammars import check_constraint
 from nanoserve.text.output_processor import ChoiceState, OutputProcessor, PositionLogprobs
 from nanoserve.text.tokenizer import load_tokenizer
 
@@ -37,7 +36,7 @@ class LLM:
     ) -> None:
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config: 'auto' or 'vllm', got {generation_config!r}")
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self.engine = build_engine(EngineConfig(model=model, **engine_args))
         download_dir = self.engine.config.download_dir
         tokenizer_dir = resolve_tokenizer(tokenizer, download_dir) if tokenizer else None
         self.tokenizer = load_tokenizer(tokenizer_dir or self.engine.model_path)
@@ -59,14 +58,12 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        for params in params_list:
-            if params.structured_outputs is not None:
-                check_constraint(params.structured_outputs)  # ValueError before any work
         processor = OutputProcessor(self.tokenizer)
         results: list[RequestOutput] = []
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):
                 text, token_ids = self._tokenize(prompt)
+                self._check(token_ids, params)
                 result = RequestOutput(str(next(self._request_counter)), text, token_ids)
                 results.append(result)
                 for request in processor.add_request(result.request_id, token_ids, params):
@@ -75,6 +72,8 @@ class LLM:
                     )
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
+                    if delta.error is not None:  # e.g. a grammar that does not compile
+                        raise ValueError(delta.error)
                     update = processor.process(delta)
                     if update is not None and update.needs_abort:
                         self.engine.abort([delta.request_id])
@@ -90,6 +89,22 @@ class LLM:
                 ]
             result.outputs.append(_completion_output(choice))
         return results
+
+    def _check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """What the engine trusts its front to have checked (ValueError names the problem)."""
+        num_prompt, limit = len(prompt_token_ids), self.engine.max_model_len
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if num_prompt >= limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {num_prompt} input tokens; leave room for at least one output token."
+            )
+        vocab_size = self.engine.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        params.validate_for_vocab(vocab_size)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

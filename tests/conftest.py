@@ -2,8 +2,16 @@
 are built once before any test (servers' workers then load them instead of compiling them
 while a test waits for /health), and no process a test started outlives the session."""
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # The Triton kernels' tests run them under Triton's interpreter, which must be switched on
+    # before anything imports triton (torch.compile does): `triton.language`'s own @triton.jit
+    # helpers are wrapped once, at import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from leftover_processes import become_subreaper, fail_the_session_for_leftovers
 
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels

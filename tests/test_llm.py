@@ -155,3 +155,16 @@ def test_generate_without_params_uses_the_model_generation_config(checkpoint, tm
     assert ours.get_default_sampling_params() == SamplingParams()  # OpenAI's: temperature 1
     with pytest.raises(ValueError, match="generation_config"):
         LLM(str(model_dir), generation_config="/some/path")
+
+
+def test_prompts_the_engine_cannot_take_are_refused_before_it_runs(checkpoint):
+    """The engine trusts its front; the offline LLM is one, and checks what the engine cannot."""
+    llm = LLM(str(checkpoint), dtype="float32", device="cpu", max_model_len=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match="maximum context length is 32 tokens.*40 input tokens"):
+        llm.generate([[1] * 40], greedy)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], greedy)
+    with pytest.raises(ValueError, match=r"must be in \[0, 320\)"):
+        llm.generate([[1, 999]], greedy)
+    assert not llm.engine.has_unfinished_requests()

@@ -13,26 +13,44 @@ from nanoserve.common.config import EngineConfig
 from nanoserve.common.protocol import EngineStats, RequestDelta, TokenLogprobs
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.core import loader
+from nanoserve.core.fast_paths import FastPaths
+from nanoserve.core.kv_cache import KVCache
 from nanoserve.core.kv_cache_manager import KVCacheManager
-from nanoserve.core.model_runner import ModelRunner, QuantizationChoice
+from nanoserve.core.model_runner import EagerStepRunner, ModelRunner
+from nanoserve.core.models.base import CausalLM
+from nanoserve.core.parallel import TensorParallel
 from nanoserve.core.request import Request
 from nanoserve.core.sampling_batch import seeded_generator
 from nanoserve.core.scheduler import Scheduler
-from nanoserve.distributed.parallel import TensorParallel
-from nanoserve.structured_output.manager import StructuredOutputManager
 
-logger = logging.getLogger("nanoserve.core")
+logger = logging.getLogger("nanoserve.engine")
 
 
 class Engine:
-    """Loads a model, owns the scheduler and model runner, and runs engine steps."""
+    """Loads a model, owns the scheduler and model runner, and runs engine steps.
 
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+    `fast_paths` are what the platform and the plug-ins bring (`core/fast_paths.py`); without
+    them the engine runs the portable reference path. The engine trusts its requests: the
+    front (the server, or `LLM`) has checked them against the model's limits.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp: TensorParallel | None = None,
+        fast_paths: FastPaths | None = None,
+    ) -> None:
         self.config = config
+        self.tp = tp or TensorParallel()
+        fast_paths = fast_paths or FastPaths()
         started = time.perf_counter()
         self.device = loader.resolve_device(config.device)
         torch.manual_seed(config.seed)
-        model, self.model_config, self.model_path = loader.load_model(config, self.device, tp=tp)
+        model, self.model_config, self.model_path = loader.load_model(
+            config, self.device, tp=tp, weight_reader=fast_paths.weight_reader
+        )
+        fast_paths.prepare_model(model)  # linear methods and layer ops, layer by layer
+        self.model = model
         self.dtype = next(model.parameters()).dtype
         self.load_time_s = time.perf_counter() - started
 
@@ -42,34 +60,38 @@ class Engine:
             set(self.model_config.eos_token_ids) | load_generation_config_eos(self.model_path)
         )
         started = time.perf_counter()
-        self.runner = ModelRunner(
-            model,
-            self.model_config,
-            config.cache_config(),
-            config.scheduler_config(self.max_model_len),
-            self.device,
-            compile_decode=config.use_compiled_decode,
-            enforce_eager=config.enforce_eager,
-            quantization=QuantizationChoice(
-                config.quantization,
-                include_lm_head=config.quantize_lm_head,
-                checkpoint_fp8=self.model_config.quantization is not None,
-            ),
-            tp=tp,
-        )
+        self.kv_cache, self.runner = self._build_runner(model, fast_paths, tp)
         self.kv_sizing_time_s = time.perf_counter() - started
         self._fit_max_model_len_to_kv_cache()
         kv_manager = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), kv_manager)
-        self.structured = StructuredOutputManager(
+        self.grammars = fast_paths.grammar_backend(
             self.model_path, self.vocab_size, self.eos_token_ids
         )
 
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.runner.num_blocks * self.runner.block_size
+    def _build_runner(
+        self, model: CausalLM, fast_paths: FastPaths, tp: TensorParallel | None
+    ) -> tuple[KVCache, ModelRunner]:
+        """The attention backend, the KV pool sized and bound to it, then the step runners
+        (those that capture the model, as CUDA graphs do, need the pool in place)."""
+        cache_config = self.config.cache_config()
+        limits = self.config.scheduler_config(self.max_model_len)
+        backend = fast_paths.attention_backend(model)
+        layers = model.attention_layers()
+        kv_cache = KVCache(layers, backend, cache_config.block_size, self.dtype, self.device, tp)
+        budget = None
+        if fast_paths.kv_cache_budget is not None:
+            budget = fast_paths.kv_cache_budget(model, kv_cache, cache_config, limits)
+        kv_cache.allocate(cache_config, limits, budget)
+        eager = EagerStepRunner(model, backend, cache_config.block_size, self.device)
+        runners = fast_paths.step_runners(model, eager, limits)
+        logger.info(
+            "attention: %s; step runners: %s", backend.name, ", ".join(r.name for r in runners)
+        )
+        runner = ModelRunner(runners, self.vocab_size, cache_config.block_size, self.device)
+        return kv_cache, runner
 
     def _fit_max_model_len_to_kv_cache(self) -> None:
         """One sequence of max_model_len tokens must fit in the KV cache.
@@ -77,10 +99,10 @@ class Engine:
         If the user chose max_model_len, a cache too small for it is an error; if it came from
         the model (e.g. Qwen3's 40,960 positions against the 2 GiB CPU default), lower it.
         """
-        capacity = self.kv_capacity_tokens
+        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
         if capacity >= self.max_model_len:
             return
-        budget_mib = self.runner.num_blocks * self.runner.kv_block_bytes / 2**20
+        budget_mib = self.kv_cache.num_blocks * self.kv_cache.block_bytes / 2**20
         if self.config.max_model_len is not None:
             raise ValueError(
                 f"the KV cache ({budget_mib:.1f} MiB) holds {capacity} tokens, fewer than "
@@ -104,25 +126,12 @@ class Engine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; raises ValueError for a prompt the model cannot take."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your request has {num_prompt} input tokens; leave room for at least one "
-                "output token."
-            )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        params.validate_for_vocab(self.vocab_size)
+        """Queue a checked request (see the class docstring); a grammar starts building now."""
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         if params.seed is not None:
             request.generator = seeded_generator(params.seed, self.device)
         if params.structured_outputs is not None:
-            request.grammar_future = self.structured.compile(params.structured_outputs)
+            request.grammar_future = self.grammars.compile(params.structured_outputs)
         self.scheduler.add_request(request)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -140,7 +149,7 @@ class Engine:
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if scheduled.requests:
             token_ids, logprobs, prompt_logprobs = self.runner.execute(
-                scheduled, self.eos_token_ids, self.structured.start_masks
+                scheduled, self.eos_token_ids, self.grammars.start_masks
             )
         return self.scheduler.update(scheduled, token_ids, logprobs, prompt_logprobs)
 
@@ -151,18 +160,9 @@ class Engine:
             wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def warm_up(self) -> None:
-        """Prefill, then decode steps at batch sizes 1 and 2 before serving.
-
-        Lazy initialisation happens here instead of inside the first users' requests. With
-        `compile_decode` the decode steps also cross from a one-block context into a second
-        block: torch.compile specializes sizes 1 apart from larger ones, both of the batch and
-        of the block-table width, so the four graphs the first requests need (and that every
-        larger batch and context reuses) are compiled before Ready.
-        """
-        num_tokens = 2
-        if self.config.use_compiled_decode:
-            num_tokens = min(self.runner.block_size + 2, self.max_model_len - 2)
-        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+        """A prefill, then decode steps at batch sizes 1 and 2, before serving: lazy
+        initialisation happens here instead of inside the first users' requests."""
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         for request_ids in (["warmup-0"], ["warmup-1", "warmup-2"]):
             for index, request_id in enumerate(request_ids):
                 self.add_request(request_id, [1 + index, 2 + index], params)
@@ -178,9 +178,14 @@ class Engine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=kv.usage(),
-            num_kv_blocks=self.runner.num_blocks,
-            block_size=self.runner.block_size,
+            num_kv_blocks=self.kv_cache.num_blocks,
+            block_size=self.kv_cache.block_size,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prefix_cache_queries=kv.num_prefix_queries,
             prefix_cache_hits=kv.num_prefix_hits,
         )
+
+    def shutdown(self) -> None:
+        """Release the step runners (other ranks stop following) and the grammar threads."""
+        self.runner.close()
+        self.grammars.shutdown()

@@ -5,15 +5,15 @@
     load_weights                    safetensors, one tensor at a time, copied (and cast) into place
     init_dummy_weights              seeded random values (--load-format dummy)
 
-Finding the checkpoint and reading its config.json is `nanoserve.common.checkpoint` (torch-free,
-shared with the front). Peak memory stays near the size of the weights: there is never a second
-full copy.
+Finding the checkpoint and its config.json is `common/checkpoint.py`'s (torch-free, shared with
+the front). Peak memory stays near the size of the weights: never a second full copy.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,10 +31,9 @@ from nanoserve.common.config import EngineConfig, ModelConfig, resolve_auto_dtyp
 from nanoserve.common.cpu_features import has_native_bf16
 from nanoserve.core.layers.linear import CheckpointSlice, CheckpointTargets
 from nanoserve.core.layers.norm import RMSNorm
-from nanoserve.core.models.llama import LlamaForCausalLM
+from nanoserve.core.models.base import CausalLM
 from nanoserve.core.models.registry import get_model_class
-from nanoserve.distributed.parallel import TensorParallel
-from nanoserve.quantization import fp8
+from nanoserve.core.parallel import TensorParallel
 
 logger = logging.getLogger("nanoserve.loader")
 
@@ -44,7 +43,7 @@ DUMMY_INIT_STD = 0.02
 class LoadedModel(NamedTuple):
     """What `load_model` returns: the model, its config and the directory it came from."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     model_config: ModelConfig
     model_dir: Path
 
@@ -81,11 +80,13 @@ def load_model(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     tp: TensorParallel | None = None,
+    weight_reader: Callable[[ModelConfig], WeightReader] | None = None,
 ) -> LoadedModel:
     """Resolve, build and fill the model named by `config` (weights or seeded random values).
 
     With tensor parallelism (`tp`) the model holds this rank's shard, read from the checkpoint
-    slice by slice: no process ever holds the whole model.
+    slice by slice: no process ever holds the whole model. `weight_reader` gives the reader for
+    the checkpoint's format (default: the tensors as they are).
     """
     device = torch.device(device) if device is not None else resolve_device(config.device)
     model_dir = resolve_checkpoint(
@@ -109,7 +110,8 @@ def load_model(
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        load_weights(model, model_dir)
+        reader = weight_reader(model_config) if weight_reader is not None else None
+        load_weights(model, model_dir, reader)
     return LoadedModel(model, model_config, model_dir)
 
 
@@ -126,7 +128,7 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     tp: TensorParallel | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The model with uninitialized `dtype` weights on `device`, in eval mode.
 
     Built on the meta device first so no time goes into random init that the weights overwrite.
@@ -134,14 +136,11 @@ def build_model(
     model_class = get_model_class(model_config.architecture)
     with torch.device("meta"):
         model = model_class(model_config, tp)
-    if device.type == "cuda":
-        _check_weights_fit(model, device, dtype)
     materialized: dict[int, nn.Parameter] = {}  # id(meta param) -> real param; keeps ties tied
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in materialized:
-                empty = torch.empty(param.shape, device=device, dtype=dtype)
-                materialized[id(param)] = nn.Parameter(empty, requires_grad=False)
+                materialized[id(param)] = nn.Parameter(_empty(model, param, dtype, device))
             setattr(module, name, materialized[id(param)])
         for name, buffer in list(module.named_buffers(recurse=False)):
             # Buffers (the RoPE table) keep their own dtype: float32.
@@ -149,17 +148,18 @@ def build_model(
     return model.eval()
 
 
-def _check_weights_fit(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """An explicit error, before allocating, when the GPU cannot hold the weights."""
-    unique = {id(p): p for p in model.parameters()}.values()  # a tied head counts once
-    weight_bytes = sum(p.numel() for p in unique) * torch.finfo(dtype).bits // 8
-    free, total = torch.cuda.mem_get_info(device)
-    if weight_bytes > free:
+def _empty(model: nn.Module, param: torch.Tensor, dtype: torch.dtype, device: torch.device):
+    """An uninitialized tensor for `param`; a device too small for the weights is a ValueError."""
+    try:
+        return torch.empty(param.shape, device=device, dtype=dtype).requires_grad_(False)
+    except torch.OutOfMemoryError as error:
+        unique = {id(p): p for p in model.parameters()}.values()  # a tied head counts once
+        gib = sum(p.numel() for p in unique) * torch.finfo(dtype).bits / 8 / 2**30
         raise ValueError(
-            f"the model's weights need {weight_bytes / 2**30:.1f} GiB in "
-            f"{str(dtype).removeprefix('torch.')}, but {device} has {free / 2**30:.1f} GiB free "
-            f"of {total / 2**30:.1f} GiB; use a smaller model or dtype, or a larger GPU"
-        )
+            f"the model's weights need {gib:.1f} GiB in {str(dtype).removeprefix('torch.')}, "
+            f"more than {device} has free ({error}); use a smaller model or dtype, or a larger "
+            "device"
+        ) from None
 
 
 def checkpoint_tensors(model: nn.Module) -> CheckpointTargets:
@@ -184,21 +184,26 @@ def checkpoint_tensors(model: nn.Module) -> CheckpointTargets:
     return destinations
 
 
-def read_tensor(
-    handle, name: str, source: CheckpointSlice | None, scales: dict[str, torch.Tensor], block
-) -> torch.Tensor:
-    """The part of checkpoint tensor `name` that `source` names (all of it for None).
+class WeightReader:
+    """Reads checkpoint tensors: the safetensors as they are, a slice when a rank holds a shard.
 
-    A block-scaled FP8 weight is read whole and dequantized first (its blocks straddle shards).
+    A quantized checkpoint format brings its own (`FastPaths.weight_reader`: FP8 checkpoints
+    dequantize here); it may also hold tensors that are not weights (their scales).
     """
-    if name in scales:
-        tensor = fp8.dequantize(handle.get_tensor(name), scales[name], block)
-        return tensor if source is None else tensor.narrow(source.dim, source.start, source.length)
-    if source is None:
-        return handle.get_tensor(name)
-    piece = handle.get_slice(name)  # reads only the slice from disk
-    end = source.start + source.length
-    return piece[source.start : end] if source.dim == 0 else piece[:, source.start : end]
+
+    def open(self, files: list[Path]) -> None:
+        """Called once with the checkpoint's files, before any tensor is read."""
+
+    def is_weight(self, name: str) -> bool:
+        return True
+
+    def read(self, handle, name: str, source: CheckpointSlice | None) -> torch.Tensor:
+        """The part of checkpoint tensor `name` that `source` names (all of it for None)."""
+        if source is None:
+            return handle.get_tensor(name)
+        piece = handle.get_slice(name)  # reads only the slice from disk
+        end = source.start + source.length
+        return piece[source.start : end] if source.dim == 0 else piece[:, source.start : end]
 
 
 def _is_ignorable(name: str, tie_word_embeddings: bool) -> bool:
@@ -208,20 +213,20 @@ def _is_ignorable(name: str, tie_word_embeddings: bool) -> bool:
     )
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
+def load_weights(model: nn.Module, model_dir: Path, reader: WeightReader | None = None) -> None:
     """Copy every safetensors tensor of `model_dir` into `model`, one tensor at a time."""
     started = time.perf_counter()
+    reader = reader or WeightReader()
     destinations = checkpoint_tensors(model)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     files = weight_files(Path(model_dir))
-    block_size = fp8.block_size_of(getattr(getattr(model, "config", None), "quantization", None))
-    scales = _read_fp8_scales(files) if block_size is not None else {}
+    reader.open(files)
     names_by_file: dict[Path, list[str]] = {}
     for file in files:  # headers only: check names before copying anything
         with safe_open(file, framework="pt", device="cpu") as f:
             names = f.keys()  # a safe_open handle is not iterable itself
         names_by_file[file] = [
-            n for n in names if not _is_ignorable(n, tied) and not n.endswith(fp8.SCALE_SUFFIX)
+            n for n in names if not _is_ignorable(n, tied) and reader.is_weight(n)
         ]
     found = {name for names in names_by_file.values() for name in names}
     missing = sorted(set(destinations) - found)
@@ -244,7 +249,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in names_by_file[file]:
                     destination, source = destinations[name]
-                    tensor = read_tensor(f, name, source, scales, block_size)
+                    tensor = reader.read(f, name, source)
                     if tensor.shape != destination.shape:
                         raise ModelLoadError(
                             f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, "
@@ -253,17 +258,6 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                     destination.copy_(tensor)  # casts to the model dtype, moves to its device
                     del tensor
     logger.info("loaded %d tensors in %.1f s", len(found), time.perf_counter() - started)
-
-
-def _read_fp8_scales(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Weight name -> its block scales, for every `*_scale_inv` tensor (they are small)."""
-    scales = {}
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name.endswith(fp8.SCALE_SUFFIX):
-                    scales[name.removesuffix(fp8.SCALE_SUFFIX)] = f.get_tensor(name)
-    return scales
 
 
 def _preview(names: list[str], limit: int = 5) -> str:

@@ -1,74 +1,86 @@
-"""The model runner: owns the model and its KV cache, turns a schedule into one forward pass.
+"""The model runner: turns a schedule into one forward pass, and samples.
 
-Per step it flattens the scheduled tokens of every request into one batch (`step_layout.py`:
-token ids, positions, the KV slot each token writes, the block table each request reads), runs
-the model once, and samples from the logits of each request's last position, for the requests
-whose prompt is complete after this step. Requests that ask for prompt logprobs also get the
-logits of the prompt positions they ran (`prompt_logprobs.py`).
+Per step it flattens the scheduled tokens of every request into one batch (`step_layout.py`),
+runs the model once through the first of its step runners that can run the step, and samples
+from the last position of each request whose prompt is complete; requests that ask for prompt
+logprobs also get those of the prompt positions they ran (`prompt_logprobs.py`).
 
-The fast paths are switched on here and nowhere else: the attention backend bound to every
-layer (`attention/selector.py`), oneDNN-packed linear weights on CPU, CUDA graphs for decode
-steps on CUDA (`cuda_graphs.py`, off with `enforce_eager`), and torch.compile for decode steps
-on CPU (`compile_decode`).
+A step runner is one way of launching the forward pass. The eager one here runs any step: the
+attention backend's metadata for it, then the model. Fast ones (a CUDA graph replay, a compiled
+decode step) say which steps they take and go before it (`FastPaths.step_runners`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
-from nanoserve.common.config import CacheConfig, ModelConfig, SchedulerConfig
 from nanoserve.common.protocol import TokenLogprobs
-from nanoserve.core.attention.metadata import AttentionMetadata, build_attention_metadata
-from nanoserve.core.kv_cache import KVCache
-from nanoserve.core.models.llama import LlamaForCausalLM
+from nanoserve.core.attention.layer import AttentionBackend
+from nanoserve.core.grammar import GrammarMasks
+from nanoserve.core.models.base import CausalLM
 from nanoserve.core.request import Request
 from nanoserve.core.sampler import Sampler
 from nanoserve.core.sampling_batch import SamplingBatch
 from nanoserve.core.scheduler import SchedulerOutput
 from nanoserve.core.step_layout import StepLayout, flatten_schedule
-from nanoserve.distributed.parallel import TensorParallel
-from nanoserve.distributed.step_broadcast import StepBroadcaster
-from nanoserve.platforms.cpu.fused_ops import use_fused_cpu_ops
-from nanoserve.platforms.cpu.linear import install_packed_linears
-from nanoserve.platforms.cuda.cuda_graphs import CudaGraphRunner
-from nanoserve.platforms.selector import select_attention_backend
-from nanoserve.quantization.fp8 import can_use_fp8_matmul, install_fp8_linears
-from nanoserve.quantization.int8 import install_int8_linears
-from nanoserve.structured_output.manager import GrammarMasks
-
-logger = logging.getLogger("nanoserve.model_runner")
 
 
-@dataclass(frozen=True)
-class QuantizationChoice:
-    """Which quantized linear method to install: `--quantization`, or the checkpoint's FP8."""
+class StepRunner:
+    """One way of launching a step's forward pass; `can_run` says which steps it takes."""
 
-    method: str | None  # "int8" or None
-    include_lm_head: bool = True
-    checkpoint_fp8: bool = False  # the checkpoint was FP8 (dequantized while loading)
+    name = "abstract"
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+
+    def can_run(self, layout: StepLayout) -> bool:
+        return True
+
+    def run(self, layout: StepLayout) -> torch.Tensor:  # [S + P, hidden]
+        """Hidden states of the rows that sample, then of those that score prompt tokens."""
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]
+        return self.model.compute_logits(hidden)
+
+    def close(self) -> None:
+        """Release what the runner holds (the engine is shutting down)."""
 
 
-def install_linear_methods(
-    model: LlamaForCausalLM,
-    device: torch.device,
-    quantization: QuantizationChoice | None,
-    compile_decode: bool,
-) -> None:
-    """int8 where asked; FP8 products for an FP8 checkpoint on an FP8 GPU; then, on CPU,
-    oneDNN-packed weights for the linears still plain, and the fused norm and RoPE kernels."""
-    if quantization is not None and quantization.method == "int8":
-        install_int8_linears(model, include_lm_head=quantization.include_lm_head)
-    elif quantization is not None and quantization.checkpoint_fp8 and can_use_fp8_matmul(device):
-        install_fp8_linears(model)
-    if device.type == "cpu":
-        # The compiled one-token products stream the plain weights: keep them too.
-        install_packed_linears(model, keep_plain_weights=compile_decode)
-        use_fused_cpu_ops()  # RMSNorm and RoPE in one pass each, in eager steps
+class EagerStepRunner(StepRunner):
+    """Runs any step: the backend's metadata for it, then the model, op by op.
+
+    The model finishes only the output rows (a prompt's last token, prompt positions to score)
+    unless that is every row in order, as in decode-only steps.
+    """
+
+    name = "eager"
+
+    def __init__(
+        self, model: CausalLM, backend: AttentionBackend, block_size: int, device: torch.device
+    ) -> None:
+        super().__init__(model)
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+
+    def run(self, layout: StepLayout) -> torch.Tensor:  # [S + P, hidden]
+        return self.run_model(self.model, layout)
+
+    def run_model(self, model: Callable[..., torch.Tensor], layout: StepLayout) -> torch.Tensor:
+        """`model` (the plain one, or a compiled copy) over this step's flat batch."""
+        output_rows = None
+        if not layout.is_every_row_output:
+            output_rows = self._tensor(layout.output_rows)  # [S + P]
+        meta = self.backend.build_metadata(layout, self.block_size, self.device)
+        input_ids, positions = self._tensor(layout.input_ids), self._tensor(layout.positions)
+        return model(input_ids, positions, meta, output_rows)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
 class ModelRunner:
@@ -76,63 +88,21 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
+        step_runners: list[StepRunner],
+        vocab_size: int,
+        block_size: int,
         device: torch.device,
-        compile_decode: bool = False,
-        enforce_eager: bool = False,
-        quantization: QuantizationChoice | None = None,
-        tp: TensorParallel | None = None,
     ) -> None:
-        self.model = model
-        self.tp = tp or TensorParallel()
-        # Rank 0 schedules; with tensor parallelism it sends each step to the other ranks.
-        self.broadcaster = StepBroadcaster(self.tp, device) if self.tp.size > 1 else None
+        assert step_runners, "the eager runner, at least, runs every step"
+        self.step_runners = step_runners
+        self.vocab_size = vocab_size
+        self.block_size = block_size
         self.device = device
-        self.vocab_size = model_config.vocab_size
-        self.block_size = cache_config.block_size
         self.sampler = Sampler()
-        install_linear_methods(model, device, quantization, compile_decode)
-        self.attention_backend = select_attention_backend(
-            device,
-            self.block_size,
-            model.attention_layers()[0].num_kv_heads,  # this rank's
-            compile_decode=compile_decode,
-            enforce_eager=enforce_eager,
-        )
-        # Compiled steps: see docs/architecture.md, "The compiled decode path".
-        self.compiled_model: Callable[..., torch.Tensor] | None = None
-        self.compiled_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
-        if compile_decode and device.type == "cpu":
-            self.compiled_model = torch.compile(model, dynamic=True)
-            self.compiled_logits = torch.compile(model.compute_logits, dynamic=True)
-        self.kv_cache = KVCache(
-            model, model_config, self.attention_backend, self.block_size, device, self.tp
-        )
-        self.kv_cache.allocate(cache_config, scheduler_config)
-        self.graph_runner: CudaGraphRunner | None = None
-        self.graph_capture_time_s = 0.0
-        if device.type == "cuda" and self.attention_backend.name == "triton" and not enforce_eager:
-            self.graph_runner = CudaGraphRunner(
-                model,
-                scheduler_config.max_num_seqs,
-                scheduler_config.max_model_len,
-                self.block_size,
-                device,
-            )
-            self.graph_capture_time_s = self.graph_runner.capture()
 
-    @property
-    def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks
-
-    @property
-    def kv_block_bytes(self) -> int:
-        return self.kv_cache.block_bytes
-
-    # -- one step ---------------------------------------------------------------------------
+    def runner_for(self, layout: StepLayout) -> StepRunner:
+        """The first step runner that can run this step."""
+        return next(r for r in self.step_runners if r.can_run(layout))
 
     @torch.inference_mode()
     def execute(
@@ -161,17 +131,16 @@ class ModelRunner:
             device=self.device,
             eos_token_ids=eos_token_ids,
         )
-        if self.broadcaster is not None:
-            self.broadcaster.send(layout)
-        hidden = self.forward(layout)  # [S + P, hidden]: the rows that sample, then score
+        runner = self.runner_for(layout)
+        hidden = runner.run(layout)  # [S + P, hidden]: the rows that sample, then score
         prompt_logprobs = {}
         if layout.prompt_logprob_rows.rows:
             prompt_logprobs = layout.prompt_logprob_rows.compute(
-                hidden[len(requests) :], self.logits, self.vocab_size
+                hidden[len(requests) :], runner.logits, self.vocab_size
             )
         if not requests:
             return {}, {}, prompt_logprobs
-        logits = self.logits(hidden[: len(requests)])  # [S, hidden] -> [S, vocab] float32
+        logits = runner.logits(hidden[: len(requests)])  # [S, hidden] -> [S, vocab] float32
         batch.grammar_masks = pending_masks.result() if pending_masks is not None else None
         result = self.sampler(logits, batch)
         token_ids = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
@@ -182,57 +151,6 @@ class ModelRunner:
         }
         return token_ids, logprobs, prompt_logprobs
 
-    def forward(self, layout: StepLayout) -> torch.Tensor:  # [S + P, hidden]
-        """Hidden states of the rows that sample, then of those that score prompt tokens: a
-        CUDA graph, a compiled step or eager.
-
-        The model finishes only those rows (a prompt's last token, prompt positions to score),
-        unless that is every row in order (decode-only steps, which keeps compiled and captured
-        graphs simple).
-        """
-        graphs = self.graph_runner
-        if graphs is not None and layout.is_decode_only and graphs.can_run(len(layout.query_lens)):
-            hidden = graphs.run(layout.decode_inputs())  # [T, hidden]
-            return hidden if layout.is_every_row_output else hidden[layout.output_rows]
-        model: Callable[..., torch.Tensor] = self.model
-        if self.compiled_model is not None and layout.is_decode_only:
-            model = self.compiled_model
-        output_rows = None
-        if not layout.is_every_row_output:
-            output_rows = self._tensor(layout.output_rows)
-        input_ids, positions = self._tensor(layout.input_ids), self._tensor(layout.positions)
-        return model(input_ids, positions, self.attention_metadata(layout), output_rows)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]
-        compute_logits = self.compiled_logits or self.model.compute_logits
-        return compute_logits(hidden)
-
-    def follow(self) -> None:
-        """A rank other than 0: run each step rank 0 broadcasts, until it says stop."""
-        assert self.broadcaster is not None and not self.tp.is_first
-        with torch.inference_mode():
-            while (layout := self.broadcaster.receive()) is not None:
-                hidden = self.forward(layout)
-                num_sampled = len(layout.sample_rows)
-                for begin, end in layout.prompt_logprob_rows.logit_slices(self.vocab_size):
-                    self.logits(hidden[num_sampled + begin : num_sampled + end])  # rank 0's gathers
-                if num_sampled:
-                    self.logits(hidden[:num_sampled])  # this rank's share of the gathered logits
-
-    def stop_followers(self) -> None:
-        if self.broadcaster is not None:
-            self.broadcaster.send_stop()
-
-    def attention_metadata(self, layout: StepLayout) -> AttentionMetadata:
-        return build_attention_metadata(
-            layout.query_lens,
-            layout.seq_lens,
-            layout.block_tables,
-            layout.slot_mapping,
-            self.block_size,
-            self.device,
-            eager_fields=self.attention_backend.uses_eager_metadata,
-        )
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+    def close(self) -> None:
+        for runner in self.step_runners:
+            runner.close()

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from nanoserve.structured_output.grammar import GrammarState
+    from nanoserve.core.grammar import Grammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -63,8 +63,8 @@ class Request:
         # sent (position j's logprobs of prompt token j + 1); the first delta takes them.
         self.num_scored_prompt_tokens = 0
         self.prompt_logprobs: list[TokenLogprobs] = []
-        self.grammar: GrammarState | None = None  # structured output: advanced per token
-        self.grammar_future: Future[GrammarState] | None = None  # the grammar being built
+        self.grammar: Grammar | None = None  # structured output: advanced per token
+        self.grammar_future: Future[Grammar] | None = None  # the grammar being built
 
     def is_grammar_pending(self) -> bool:
         """True while the request's grammar is being built (it cannot run yet).

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.common.protocol import TokenLogprobs
+from nanoserve.core.grammar import apply_grammar_masks
 from nanoserve.core.sampling_batch import SamplingBatch
-from nanoserve.structured_output.manager import apply_grammar_masks
 
 _NEG_INF = float("-inf")
 

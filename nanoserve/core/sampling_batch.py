@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from nanoserve.common.sampling_params import SamplingParams
-from nanoserve.structured_output.manager import GrammarMasks
+from nanoserve.core.grammar import GrammarMasks
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:

@@ -223,6 +223,9 @@ class Scheduler:
         prompt_logprobs = None
         if is_first and request.sampling_params.prompt_logprobs is not None:
             prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+        queue_time_s = None  # arrival to first scheduled, on the first delta only
+        if request.first_scheduled_time is not None:
+            queue_time_s = request.first_scheduled_time - request.arrival_time
         return RequestDelta(
             request_id=request.request_id,
             new_token_ids=request.output_token_ids[-1:],
@@ -230,16 +233,9 @@ class Scheduler:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
-            queue_time_s=Scheduler._queue_time_once(request) if is_first else None,
+            queue_time_s=queue_time_s if is_first else None,
             prompt_logprobs=prompt_logprobs,
         )
-
-    @staticmethod
-    def _queue_time_once(request: Request) -> float | None:
-        """Seconds from arrival to first scheduled, reported with the first delta only."""
-        if request.first_scheduled_time is None:
-            return None
-        return request.first_scheduled_time - request.arrival_time
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params

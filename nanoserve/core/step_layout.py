@@ -2,7 +2,8 @@
 
 The runner flattens the scheduled tokens of every request into one sequence, one-token
 (decode) requests first so that attention can treat them apart from prompt chunks. The lists
-become device tensors for an eager forward pass, or go straight into a CUDA graph's buffers.
+become device tensors for an eager forward pass (each attention backend builds its metadata
+from them), or go straight into a CUDA graph's buffers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass, field
 from nanoserve.core.prompt_logprobs import PromptLogprobRows
 from nanoserve.core.request import Request
 from nanoserve.core.scheduler import SchedulerOutput
-from nanoserve.platforms.cuda.cuda_graphs import DecodeInputs
 
 
 @dataclass
@@ -42,13 +42,6 @@ class StepLayout:
     def is_every_row_output(self) -> bool:
         """Every row, in order, is output (decode-only steps): no selection is needed."""
         return len(self.sample_rows) == len(self.input_ids) and not self.prompt_logprob_rows.rows
-
-    def decode_inputs(self) -> DecodeInputs:
-        """This decode-only step as a CUDA graph's inputs."""
-        assert self.is_decode_only
-        return DecodeInputs(
-            self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables
-        )
 
 
 def flatten_schedule(out: SchedulerOutput, block_size: int) -> StepLayout:

@@ -3,15 +3,19 @@
 Only rank 0 schedules. Per step it packs the flat batch (`StepLayout`: token ids, positions,
 KV slots, per-request lengths and block tables, the rows that sample) into one int64 tensor and
 broadcasts it, after a 5-number header with its sizes; the other ranks unpack it and run the same
-forward pass on their shards. A header of -1 tells them to stop.
+forward pass on their shards (`follow`). A header of -1 tells them to stop.
+
+On rank 0 this enters the core as a step runner (`BroadcastingRunner`): it sends each step's
+layout, then lets the runners it wraps (CUDA graphs, eager) run the step.
 """
 
 from __future__ import annotations
 
 import torch
 
+from nanoserve.core.model_runner import ModelRunner, StepRunner
+from nanoserve.core.parallel import TensorParallel
 from nanoserve.core.step_layout import StepLayout
-from nanoserve.distributed.parallel import TensorParallel
 
 HEADER_SIZE = 5  # tokens, requests, sampled rows, block-table width, prompt-scoring rows
 STOP = -1
@@ -22,15 +26,12 @@ def pack(layout: StepLayout) -> torch.Tensor:  # [header + payload] int64
     width = max((len(t) for t in layout.block_tables), default=0)
     tables = [t + [-1] * (width - len(t)) for t in layout.block_tables]
     prompt_rows = layout.prompt_logprob_rows.rows
-    header = [
-        len(layout.input_ids), len(layout.query_lens), len(layout.sample_rows), width,
-        len(prompt_rows),
-    ]  # fmt: skip
-    payload = [
-        *layout.input_ids, *layout.positions, *layout.slot_mapping, *layout.query_lens,
-        *layout.seq_lens, *(block for table in tables for block in table), *layout.sample_rows,
-        *prompt_rows,
-    ]  # fmt: skip
+    num_tokens, num_requests = len(layout.input_ids), len(layout.query_lens)
+    header = [num_tokens, num_requests, len(layout.sample_rows), width, len(prompt_rows)]
+    payload = [*layout.input_ids, *layout.positions, *layout.slot_mapping]  # [3T]
+    payload += [*layout.query_lens, *layout.seq_lens]  # [2B]
+    payload += [block for table in tables for block in table]  # [B * width]
+    payload += [*layout.sample_rows, *prompt_rows]  # [S + P]
     return torch.tensor(header + payload, dtype=torch.int64)
 
 
@@ -86,5 +87,50 @@ class StepBroadcaster:
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         on_device = tensor.to(self.device)
-        self.tp.broadcast_from_first(on_device)
+        torch.distributed.broadcast(on_device, src=self.tp.first_global_rank, group=self.tp.group)
         return on_device.cpu()
+
+
+class BroadcastingRunner(StepRunner):
+    """Rank 0's step runner: sends each step to the other ranks, then runs it with the first
+    of `runners` that can (the same runners the other ranks run it with)."""
+
+    name = "tp-broadcast"
+
+    def __init__(self, runners: list[StepRunner], broadcaster: StepBroadcaster) -> None:
+        super().__init__(runners[-1].model)
+        self.runners = runners
+        self.broadcaster = broadcaster
+        self._current = runners[-1]  # the runner of the step in flight (its logits too)
+        self.name = "tp-broadcast(" + ", ".join(r.name for r in runners) + ")"
+
+    def run(self, layout: StepLayout) -> torch.Tensor:  # [S + P, hidden]
+        self.broadcaster.send(layout)
+        self._current = next(r for r in self.runners if r.can_run(layout))
+        return self._current.run(layout)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._current.logits(hidden)
+
+    def close(self) -> None:
+        """The other ranks stop following (rank 0 is leaving)."""
+        self.broadcaster.send_stop()
+        for runner in self.runners:
+            runner.close()
+
+
+def follow(runner: ModelRunner, broadcaster: StepBroadcaster) -> None:
+    """A rank other than 0: run each step rank 0 broadcasts, until it says stop.
+
+    The logits are computed as rank 0 computes them, in the same order (prompt positions, then
+    the sampled rows): each call takes part in rank 0's gather of the vocabulary shards.
+    """
+    with torch.inference_mode():
+        while (layout := broadcaster.receive()) is not None:
+            step_runner = runner.runner_for(layout)
+            hidden = step_runner.run(layout)
+            num_sampled = len(layout.sample_rows)
+            for begin, end in layout.prompt_logprob_rows.logit_slices(runner.vocab_size):
+                step_runner.logits(hidden[num_sampled + begin : num_sampled + end])
+            if num_sampled:
+                step_runner.logits(hidden[:num_sampled])

@@ -4,17 +4,22 @@ Such a checkpoint stores each linear weight as float8_e4m3fn [out, in] beside
 `<name>_scale_inv` float32 [ceil(out / bo), ceil(in / bi)]: block (i, j) of the weight,
 `weight_block_size` = [bo, bi] (128 × 128 in Qwen3-*-FP8 and DeepSeek), is its FP8 values
 times that block's scale. The loader dequantizes each weight as it streams in (`dequantize`), so
-the model holds the model dtype (or int8, with `--quantization int8`). On CUDA GPUs with FP8
-matrix units the weights can instead stay in 8 bits (`Fp8LinearMethod`).
+the model holds the model dtype (or int8, with `--quantization int8`): `Fp8WeightReader`, the
+loader's reader for this format. On CUDA GPUs with FP8 matrix units the weights can instead stay
+in 8 bits (`Fp8LinearMethod`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import cast
 
 import torch
+from safetensors import safe_open
 
-from nanoserve.core.layers.linear import DENSE, Linear, LinearMethod
+from nanoserve.common.config import ModelConfig
+from nanoserve.core.layers.linear import DENSE, CheckpointSlice, Linear, LinearMethod
+from nanoserve.core.loader import WeightReader
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -59,6 +64,37 @@ def block_size_of(quantization: dict | None) -> tuple[int, int] | None:
     return int(rows), int(cols)
 
 
+class Fp8WeightReader(WeightReader):
+    """Reads a block-scaled FP8 checkpoint: each weight dequantized with its `*_scale_inv`."""
+
+    def __init__(self, block_size: tuple[int, int]) -> None:
+        self.block_size = block_size
+        self.scales: dict[str, torch.Tensor] = {}  # weight name -> its block scales
+
+    def open(self, files: list[Path]) -> None:
+        for file in files:  # the scales are small: read them all first
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if name.endswith(SCALE_SUFFIX):
+                        self.scales[name.removesuffix(SCALE_SUFFIX)] = f.get_tensor(name)
+
+    def is_weight(self, name: str) -> bool:
+        return not name.endswith(SCALE_SUFFIX)
+
+    def read(self, handle, name: str, source: CheckpointSlice | None) -> torch.Tensor:
+        """A scaled weight is read whole and dequantized first (its blocks straddle shards)."""
+        if name not in self.scales:
+            return super().read(handle, name, source)
+        tensor = dequantize(handle.get_tensor(name), self.scales[name], self.block_size)
+        return tensor if source is None else tensor.narrow(source.dim, source.start, source.length)
+
+
+def weight_reader_for(model_config: ModelConfig) -> WeightReader:
+    """The reader for this checkpoint: FP8's where its config says so, else the plain one."""
+    block_size = block_size_of(model_config.quantization)
+    return WeightReader() if block_size is None else Fp8WeightReader(block_size)
+
+
 class Fp8LinearMethod(LinearMethod):
     """FP8 weights with a scale per output row, FP8 activations scaled per token (CUDA only).
 
@@ -84,9 +120,8 @@ class Fp8LinearMethod(LinearMethod):
         weight = cast(torch.Tensor, layer.fp8_weight)  # [out, in]
         weight_scales = cast(torch.Tensor, layer.fp8_scales)  # [1, out]
         out = torch._scaled_mm(
-            x_fp8, weight.t(), scale_a=a_scales, scale_b=weight_scales,
-            out_dtype=x.dtype,
-        )[:num_tokens]  # fmt: skip
+            x_fp8, weight.t(), scale_a=a_scales, scale_b=weight_scales, out_dtype=x.dtype
+        )[:num_tokens]
         return out if layer.bias is None else out + layer.bias
 
 

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.core.layers.linear import DENSE, Linear, LinearMethod
-from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
 logger = logging.getLogger("nanoserve.quantization")
 
@@ -105,11 +104,14 @@ class Int8LinearMethod(LinearMethod):
         return out if layer.bias is None else out + layer.bias
 
 
-def install_int8_linears(model: nn.Module, include_lm_head: bool = True) -> int:
-    """Quantize every plain Linear of `model` (the LM head unless excluded); returns how many."""
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    kernels = load_cpu_kernels() if on_cpu else None
-    method = Int8LinearMethod(kernels.int8_gemv if kernels is not None else None)
+def install_int8_linears(
+    model: nn.Module, include_lm_head: bool = True, gemv: Gemv | None = None
+) -> int:
+    """Quantize every plain Linear of `model` (the LM head unless excluded); returns how many.
+
+    `gemv` is the CPU's compiled decode kernel (`platforms/cpu`'s `int8_gemv`), where built.
+    """
+    method = Int8LinearMethod(gemv)
     lm_head = getattr(model, "lm_head", None)
     layers = [
         m
@@ -119,7 +121,10 @@ def install_int8_linears(model: nn.Module, include_lm_head: bool = True) -> int:
     for layer in layers:
         layer.method = method
         method.process_weights(layer)
-    logger.info("int8 weights for %d linear layers (LM head %s); decode products by %s",
-                len(layers), "included" if include_lm_head else "kept in the model dtype",
-                "the compiled GEMV" if method.gemv else "PyTorch's kernels")  # fmt: skip
+    logger.info(
+        "int8 weights for %d linear layers (LM head %s); decode products by %s",
+        len(layers),
+        "included" if include_lm_head else "kept in the model dtype",
+        "the compiled GEMV" if method.gemv else "PyTorch's kernels",
+    )
     return len(layers)

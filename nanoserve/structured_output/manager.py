@@ -10,19 +10,22 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
 import llguidance.hf
+import msgspec
 import numpy as np
 import torch
 
 from nanoserve.common.sampling_params import StructuredOutputsParams
+from nanoserve.core.grammar import Grammar, GrammarMasks
 from nanoserve.structured_output.grammar import GrammarState
 from nanoserve.structured_output.grammars import grammar_for
 
@@ -31,13 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("nanoserve.structured")
 
-
-@dataclass
-class GrammarMasks:
-    """One step's masks: which batch rows are constrained, and what to add to their logits."""
-
-    rows: list[int]  # [G]: rows of the step's sampling batch that have a grammar
-    bias: torch.Tensor  # [G, V] float32: 0 where the grammar allows the token, -inf elsewhere
+COMPILED_CACHE_SIZE = 64  # constraints whose compiled matcher is kept for the next requests
 
 
 _NEG_INF_BITS = -8388608  # 0xFF800000 as an int32: the bits of float32 -inf
@@ -67,20 +64,37 @@ class StructuredOutputManager:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         self._compile_pool: ThreadPoolExecutor | None = None
+        # Compiled matchers of recent constraints, by a hash of the constraint; LRU order.
+        self._compiled: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()
+        self._compiled_lock = threading.Lock()
         self._mask_pool: ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
 
-    def compile(self, constraint: StructuredOutputsParams) -> Future[GrammarState]:
-        """Start building the matcher of `constraint`; the future fails with a ValueError."""
-        if self._compile_pool is None:
-            self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-        return self._compile_pool.submit(self._build, constraint)
+    def compile(self, constraint: StructuredOutputsParams) -> Future[Grammar]:
+        """Start building the matcher of `constraint`; the future fails with a ValueError.
 
-    def _build(self, constraint: StructuredOutputsParams) -> GrammarState:
+        A constraint seen recently (the n choices of one request, a client's repeated schema)
+        is compiled once: each request gets a copy of the compiled matcher.
+        """
+        key = hashlib.sha256(msgspec.json.encode(constraint)).digest()
+        with self._compiled_lock:
+            compiled = self._compiled.pop(key, None)
+            if compiled is None:
+                if self._compile_pool is None:
+                    self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+                compiled = self._compile_pool.submit(self._build, constraint)
+            self._compiled[key] = compiled  # the most recently used last
+            while len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        grammar: Future[Grammar] = Future()
+        compiled.add_done_callback(lambda done: _copy_into(done, grammar))
+        return grammar
+
+    def _build(self, constraint: StructuredOutputsParams) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar_for(constraint), log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid structured output {constraint.kind}: {matcher.get_error()}")
-        return GrammarState(matcher)
+        return matcher
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
@@ -104,11 +118,12 @@ class StructuredOutputManager:
         grammars = [requests[i].grammar for i in rows]
         return self._mask_pool.submit(self._fill_masks, rows, grammars)
 
-    def _fill_masks(self, rows: list[int], grammars: list[GrammarState | None]) -> GrammarMasks:
+    def _fill_masks(self, rows: list[int], grammars: list[Grammar | None]) -> GrammarMasks:
         """The bitmask of every constrained row, as a [G, V] bias (all off the step loop)."""
         num_words = (self.vocab_size + 31) // 32
         bitmask = np.full((len(rows), num_words), -1, dtype=np.int32)  # [G, W]
-        matchers = [(g.matcher, k) for k, g in enumerate(grammars) if g is not None]
+        states = [cast(GrammarState, g) for g in grammars]  # the grammars this backend built
+        matchers = [(g.matcher, k) for k, g in enumerate(states) if g is not None]
         assert self._executor is not None
         self._executor.unsafe_compute_mask_ptr(
             matchers, bitmask.ctypes.data, num_words * 4, len(rows)
@@ -121,11 +136,12 @@ class StructuredOutputManager:
                 pool.shutdown(wait=False, cancel_futures=True)
 
 
-def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> torch.Tensor:
-    """Set every token the grammar forbids to -inf, in the constrained rows (in place)."""
-    # logits: [B, V]; masks.bias: [G, V]
-    bias = masks.bias.to(logits.device, non_blocking=True)
-    if len(masks.rows) == logits.shape[0]:  # every row is constrained
-        return logits.add_(bias)
-    rows = torch.tensor(masks.rows, dtype=torch.long, device=logits.device)  # [G]
-    return logits.index_add_(0, rows, bias)
+def _copy_into(compiled: Future[llguidance.LLMatcher], grammar: Future[Grammar]) -> None:
+    """Resolve one request's grammar from a compiled matcher: its own copy, or the error."""
+    if grammar.cancelled():
+        return
+    error = compiled.exception()
+    if error is not None:
+        grammar.set_exception(error)
+    else:
+        grammar.set_result(GrammarState(compiled.result().deep_copy()))

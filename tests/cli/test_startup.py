@@ -59,7 +59,7 @@ def test_the_front_computes_the_workers_block_size(tiny_checkpoint: Path, dtype:
     config = EngineConfig(model=str(tiny_checkpoint), dtype=dtype, device="cpu", num_kv_blocks=4)
     engine = Engine(config)
     assert kv_block_bytes(config, load_model_config(tiny_checkpoint)) == (
-        engine.runner.kv_block_bytes
+        engine.kv_cache.block_bytes
     )
 
 

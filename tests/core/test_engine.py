@@ -1,4 +1,5 @@
-"""The whole engine against transformers: same greedy tokens through every engine path."""
+"""The core engine alone (the portable paths) against transformers: the same greedy tokens
+through every scheduling path (batched, chunked, cached, preempted)."""
 
 import random
 
@@ -113,7 +114,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(checkpoint, prompts,
         engine.step()
     engine.abort([str(i) for i in range(len(prompts))])
     assert not engine.has_unfinished_requests()
-    assert engine.scheduler.kv.num_free_blocks == engine.runner.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.kv_cache.num_blocks
     engine.scheduler.kv.pool.check_invariants()
 
 
@@ -143,16 +144,6 @@ def test_seeded_request_is_independent_of_batch_neighbours(checkpoint):
     assert alone == with_neighbours
 
 
-def test_prompt_too_long_names_both_lengths(checkpoint):
-    engine = make_engine(checkpoint, max_model_len=32)
-    with pytest.raises(ValueError, match="maximum context length is 32 tokens.*40 input tokens"):
-        engine.add_request("x", [1] * 40, greedy())
-    with pytest.raises(ValueError, match="empty"):
-        engine.add_request("y", [], greedy())
-    with pytest.raises(ValueError, match=r"must be in \[0, 320\)"):
-        engine.add_request("z", [1, 999], greedy())
-
-
 def test_model_max_len_is_lowered_to_what_the_kv_cache_holds(checkpoint):
     # The tiny checkpoints have 512 positions; 10 blocks of 16 tokens hold 160.
     engine = Engine(EngineConfig(model=str(checkpoint), device="cpu", num_kv_blocks=10))
@@ -162,25 +153,3 @@ def test_model_max_len_is_lowered_to_what_the_kv_cache_holds(checkpoint):
         Engine(
             EngineConfig(model=str(checkpoint), device="cpu", num_kv_blocks=10, max_model_len=512)
         )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("warm_up", [True, False])
-def test_compiled_warm_up_leaves_nothing_to_compile_for_the_first_requests(tmp_path, warm_up):
-    """After warm_up, decoding at batch sizes 1, 2 and 3, inside a context's first KV block and
-    past it, compiles nothing more (without warm_up the same requests do compile)."""
-    from torch._dynamo.utils import counters
-
-    model_dir = make_tiny_checkpoint(tmp_path, "qwen3")
-    engine = Engine(
-        EngineConfig(model=str(model_dir), device="cpu", dtype="float32", compile_decode=True)
-    )
-    torch._dynamo.reset()
-    if warm_up:
-        engine.warm_up()
-    num_graphs = counters["stats"]["unique_graphs"]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    for batch in ([[5, 6]], [[7, 8], [9]], [[1] * 3, [2] * 20, [3] * 40]):
-        run_to_completion(engine, batch, params)
-    num_new_graphs = counters["stats"]["unique_graphs"] - num_graphs
-    assert (num_new_graphs == 0) == warm_up, num_new_graphs

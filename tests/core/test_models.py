@@ -12,8 +12,11 @@ from tiny_checkpoints import ARCHITECTURES, make_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 from nanoserve.common.config import EngineConfig
-from nanoserve.core.attention.eager import EagerAttention, paged_attention
-from nanoserve.core.attention.metadata import build_attention_metadata
+from nanoserve.core.attention.reference import (
+    ReferenceAttention,
+    build_reference_metadata,
+    paged_attention,
+)
 from nanoserve.core.loader import LoadedModel, load_model
 
 BLOCK_SIZE = 16
@@ -30,7 +33,7 @@ class PagedBatchRunner:
         num_blocks = 1 + num_seqs * blocks_per_seq  # block 0 stays unused, as padding does
         kv_shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
         for layer in self.model.attention_layers():
-            layer.bind(torch.zeros(kv_shape), torch.zeros(kv_shape), EagerAttention())
+            layer.bind(torch.zeros(kv_shape), torch.zeros(kv_shape), ReferenceAttention())
         self.block_tables = [
             list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
             for i in range(num_seqs)
@@ -56,7 +59,7 @@ class PagedBatchRunner:
             seq_lens.append(seq_len)
             tables.append(table[: math.ceil(seq_len / BLOCK_SIZE)])
             self.num_computed[seq] = seq_len
-        meta = build_attention_metadata(
+        meta = build_reference_metadata(
             query_lens, seq_lens, tables, slots, BLOCK_SIZE, torch.device("cpu")
         )
         with torch.no_grad():
@@ -166,7 +169,7 @@ def test_mixed_step_attends_decodes_apart_from_prompt_chunks():
     tables = [[0, 1], [2], [3, 4, 5]]
     slots = [4, 2 * 4 + 2] + [3 * 4 + 3, 4 * 4, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 5 * 4]
     query = torch.randn(sum(query_lens), num_heads, head_dim)
-    split = build_attention_metadata(query_lens, seq_lens, tables, slots, block_size, "cpu")
+    split = build_reference_metadata(query_lens, seq_lens, tables, slots, block_size, "cpu")
     assert split.parts is not None and split.num_decode_tokens == 2
     whole = replace(split, parts=None)
     torch.testing.assert_close(

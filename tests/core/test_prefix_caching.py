@@ -128,7 +128,7 @@ def test_abort_while_another_request_shares_the_blocks(checkpoint, hf_model):
     result.pop("drop", None)
     drain(engine, result)
     assert result["keep"] == expected(hf_model, keep)
-    assert engine.scheduler.kv.num_free_blocks == engine.runner.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.kv_cache.num_blocks
     pool.check_invariants()
 
 

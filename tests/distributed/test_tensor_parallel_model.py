@@ -11,10 +11,10 @@ import torch.multiprocessing as mp
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
-from nanoserve.core.attention.eager import EagerAttention
-from nanoserve.core.attention.metadata import build_attention_metadata
+from nanoserve.core.attention.reference import ReferenceAttention, build_reference_metadata
 from nanoserve.core.loader import load_model
-from nanoserve.distributed.parallel import TensorParallel, init_tensor_parallel
+from nanoserve.core.parallel import TensorParallel
+from nanoserve.distributed.parallel import init_tensor_parallel
 
 BLOCK_SIZE = 16
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
@@ -30,18 +30,18 @@ def step_logits(checkpoint: str, tp: TensorParallel) -> tuple[torch.Tensor, torc
     attention = model.attention_layers()[0]
     shape = (8, BLOCK_SIZE, attention.num_kv_heads, attention.head_dim)
     for layer in model.attention_layers():
-        layer.bind(torch.zeros(shape), torch.zeros(shape), EagerAttention())
+        layer.bind(torch.zeros(shape), torch.zeros(shape), ReferenceAttention())
     tables = [[0, 1], [2, 3]]
     lens = [len(p) for p in PROMPTS]
     slots = [slot(t, i) for t, n in zip(tables, lens, strict=True) for i in range(n)]
-    meta = build_attention_metadata(lens, lens, tables, slots, BLOCK_SIZE, torch.device("cpu"))
+    meta = build_reference_metadata(lens, lens, tables, slots, BLOCK_SIZE, torch.device("cpu"))
     with torch.inference_mode():
         ids = torch.tensor([t for p in PROMPTS for t in p])
         positions = torch.tensor([i for n in lens for i in range(n)])
         prefill = model.compute_logits(model(ids, positions, meta))  # [T, vocab] on rank 0
         next_ids = torch.tensor([3, 9])
         decode_slots = [slot(t, n) for t, n in zip(tables, lens, strict=True)]
-        meta = build_attention_metadata(
+        meta = build_reference_metadata(
             [1, 1], [n + 1 for n in lens], tables, decode_slots, BLOCK_SIZE, torch.device("cpu")
         )
         decode = model.compute_logits(model(next_ids, torch.tensor(lens), meta))  # [2, vocab]

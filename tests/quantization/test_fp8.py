@@ -15,6 +15,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.common.checkpoint import ModelLoadError, load_model_config
 from nanoserve.common.config import EngineConfig
 from nanoserve.core.loader import load_model
+from nanoserve.quantization import fp8
 from nanoserve.quantization.fp8 import FP8, dequantize, quantize
 
 
@@ -77,7 +78,8 @@ def test_fp8_checkpoint_logits_equal_transformers_on_the_dequantized_weights(fp8
 
 def test_fp8_weights_load_dequantized_into_the_model_dtype(fp8_checkpoint):
     fp8_dir, dequantized_dir = fp8_checkpoint
-    ours = load_model(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32")).model
+    config = EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32")
+    ours = load_model(config, weight_reader=fp8.weight_reader_for).model
     plain = load_model(EngineConfig(model=str(dequantized_dir), device="cpu", dtype="float32"))
     for (name, a), (_, b) in zip(
         ours.state_dict().items(), plain.model.state_dict().items(), strict=True
@@ -102,7 +104,7 @@ def test_fp8_matmuls_on_cuda_follow_the_dequantized_model(fp8_checkpoint):
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     prompts = [[5, 17, 99], [250, 42, 7, 8, 9]]
     fp8_llm = LLM(str(fp8_dir), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2)
-    methods = {type(m.method).__name__ for m in fp8_llm.engine.runner.model.modules()
+    methods = {type(m.method).__name__ for m in fp8_llm.engine.model.modules()
                if hasattr(m, "method")}  # fmt: skip
     assert "Fp8LinearMethod" in methods
     plain_llm = LLM(str(dequantized_dir), dtype="bfloat16", device="cuda",

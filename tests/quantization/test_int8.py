@@ -9,6 +9,7 @@ from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.core.layers.linear import Linear
+from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import PackedLinearMethod
 from nanoserve.quantization.int8 import (
     Int8LinearMethod,
@@ -37,9 +38,11 @@ def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, bias, in_featur
     quantized, scales = quantize_int8(layer.weight.detach())
     dequantized = (quantized.float() * scales[:, None]).to(dtype)
     bias_values = None if layer.bias is None else layer.bias.detach().clone()
-    assert install_int8_linears(layer) == 1 and isinstance(layer.method, Int8LinearMethod)
+    gemv = load_cpu_kernels().int8_gemv  # the CPU kernels build here
+    installed = install_int8_linears(layer, gemv=gemv)
+    assert installed == 1 and isinstance(layer.method, Int8LinearMethod)
     assert layer.weight is None
-    assert layer.int8_paired == (in_features % 32 == 0)  # the CPU kernels build here
+    assert layer.int8_paired == (in_features % 32 == 0)
     for num_tokens in (1, 5, 9, 40):  # the GEMV, and the widened product beyond 8 rows
         x = torch.randn(num_tokens, in_features, dtype=dtype)
         expected = F.linear(x.float(), dequantized.float(), None)
@@ -56,11 +59,11 @@ def checkpoint(tmp_path_factory):
 
 def test_engine_quantizes_every_linear_and_keeps_the_lm_head_when_asked(checkpoint):
     llm = LLM(str(checkpoint), dtype="bfloat16", max_model_len=128, quantization="int8")
-    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert all(isinstance(m.method, Int8LinearMethod) for m in linears)
     kept = LLM(str(checkpoint), dtype="bfloat16", max_model_len=128, quantization="int8",
                quantize_lm_head=False)  # fmt: skip
-    model = kept.engine.runner.model
+    model = kept.engine.model
     assert isinstance(model.lm_head.method, PackedLinearMethod)  # bf16, packed for oneDNN
     assert isinstance(model.model.layers[0].mlp.down_proj.method, Int8LinearMethod)
 

@@ -15,6 +15,7 @@ from nanoserve.common.config import EngineConfig
 from nanoserve.common.protocol import FinishReason
 from nanoserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.core.engine import Engine
+from nanoserve.engine_setup import build_engine
 
 # Bounded strings and arrays: a random model must reach the end within max_tokens.
 SCHEMA = {
@@ -63,7 +64,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
 def make_engine(checkpoint, **overrides) -> Engine:
     args = {"model": str(checkpoint), "dtype": "float32", "device": "cpu", "max_model_len": 128}
     args.update(overrides)
-    return Engine(EngineConfig(**args))
+    return build_engine(EngineConfig(**args))
 
 
 def run(engine: Engine, params: list[SamplingParams]) -> dict[str, tuple[list[int], object]]:
@@ -144,9 +145,9 @@ def test_abort_and_finish_drop_the_grammar(checkpoint) -> None:
     assert engine.stats().kv_cache_usage == 0.0
 
 
-def test_a_grammar_that_fails_to_build_ends_its_request_with_abort(checkpoint) -> None:
+def test_a_grammar_that_fails_to_build_ends_its_request_with_the_reason(checkpoint) -> None:
     engine = make_engine(checkpoint)
-    # The front and LLM validate first; the engine still never runs an unbuilt grammar.
+    # The grammar is compiled once, here in the worker: a bad one ends its request with why.
     engine.add_request(
         "bad", [1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(["))
     )
@@ -156,14 +157,15 @@ def test_a_grammar_that_fails_to_build_ends_its_request_with_abort(checkpoint) -
     assert [(d.request_id, d.new_token_ids, d.finish_reason) for d in deltas] == [
         ("bad", [], FinishReason.ABORT)
     ]
+    assert "invalid structured output regex" in (deltas[0].error or "")
     assert engine.stats().kv_cache_usage == 0.0
 
 
 def test_a_request_whose_grammar_is_being_built_is_passed_over(checkpoint) -> None:
     engine = make_engine(checkpoint)
     slow: Future = Future()
-    build = engine.structured.compile
-    engine.structured.compile = lambda constraint: slow  # type: ignore[method-assign]
+    build = engine.grammars.compile
+    engine.grammars.compile = lambda constraint: slow  # type: ignore[method-assign]
     engine.add_request(
         "slow", [1, 2], SamplingParams(seed=0, max_tokens=5, structured_outputs=CHECKS["choice"][0])
     )

@@ -1,18 +1,27 @@
-"""The attention layer the model calls, and the interface every attention backend implements."""
+"""The attention layer the model calls, and the interface every attention backend implements:
+the metadata it needs for a step (built once per step, shared by every layer) and the kernel
+that writes the step's keys and values into a layer's paged cache and attends over it.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from nanoserve.core.attention.metadata import AttentionMetadata
+if TYPE_CHECKING:
+    from nanoserve.core.step_layout import StepLayout
 
 
 class AttentionBackend:
-    """Writes one step's keys and values into a layer's paged cache, then attends over it."""
+    """Builds a step's attention metadata; writes a layer's keys and values, then attends."""
 
     name = "abstract"
-    uses_eager_metadata = True  # whether it reads the eager backend's masks and gather indices
+
+    def build_metadata(self, layout: StepLayout, block_size: int, device: torch.device) -> Any:
+        """This backend's metadata of one step, from the step's flat batch."""
+        raise NotImplementedError
 
     def forward(
         self,
@@ -21,7 +30,7 @@ class AttentionBackend:
         v: torch.Tensor,  # [T, Hkv, D]
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
+        meta: Any,  # what build_metadata returned for this step
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         raise NotImplementedError
@@ -30,8 +39,8 @@ class AttentionBackend:
 class PagedAttention(nn.Module):
     """Attention over the paged KV cache.
 
-    The model runner binds `k_cache`, `v_cache` and `backend` after allocating the pool
-    (`bind`); until then calling the layer is an error.
+    The engine binds `k_cache`, `v_cache` and `backend` after allocating the pool (`bind`);
+    until then calling the layer is an error.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -55,9 +64,9 @@ class PagedAttention(nn.Module):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        meta: AttentionMetadata,
+        meta: Any,  # the step's metadata, built by the bound backend
     ) -> torch.Tensor:  # [T, H, D]
         assert self.backend is not None and self.k_cache is not None and self.v_cache is not None, (
-            "KV cache not bound: the model runner binds it after allocating the pool"
+            "KV cache not bound: the engine binds it after allocating the pool"
         )
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

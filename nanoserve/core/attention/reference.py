@@ -1,14 +1,20 @@
-"""The eager attention backend: plain PyTorch, on CPU and CUDA, the reference for the others.
+"""The reference attention backend: plain PyTorch, on CPU and CUDA, the one every other backend
+is tested against.
 
 - decode tokens (one query per request) attend in one padded, batched pass over the gathered
   contexts (`decode_group_attention`; a lone request through `F.scaled_dot_product_attention`);
 - prompt tokens attend request by request with `F.scaled_dot_product_attention` (CPU's flash
   kernel), causal within the new tokens and over all of a cached prefix (`prompt_attention`).
+
+Its metadata adds the masks and gather indices it attends with to the shared fields, and splits a
+mixed step (decodes first, then prompt chunks) into two parts that attend separately.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,16 +22,48 @@ import torch.nn.functional as F
 from nanoserve.core.attention.layer import AttentionBackend
 from nanoserve.core.attention.metadata import AttentionMetadata
 
+if TYPE_CHECKING:
+    from nanoserve.core.step_layout import StepLayout
+
+
+@dataclass
+class ReferenceMetadata(AttentionMetadata):
+    """The shared fields plus what the reference backend attends with (K = longest context)."""
+
+    # Decode groups: [B, 1, 1, K] bool, True where a key is inside the request's context, and
+    # [B, K] int64, the KV slot of each key position (block_id * block_size + offset).
+    decode_mask: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    # Prompt groups: per request, [Q_i, K_i] bool (True: the query sees the key), or None
+    # when the request has no cached prefix (Q_i == K_i: plain causal attention).
+    prompt_masks: list[torch.Tensor | None] | None = None
+    # A mixed step (decodes first, then prompt chunks) attends in two parts: (decode, prompt).
+    parts: tuple[ReferenceMetadata, ReferenceMetadata] | None = None
+    num_decode_tokens: int = 0
+
+
 # (query [B, H, D], k_cache, v_cache, meta, scale) -> [B, H, D]: how decode tokens attend.
 DecodeAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, ReferenceMetadata, float], torch.Tensor
 ]
 
 
-class EagerAttention(AttentionBackend):
+class ReferenceAttention(AttentionBackend):
     """Index-copy the new K/V into their slots, then attend with plain torch ops."""
 
-    name = "eager"
+    name = "reference"
+
+    def build_metadata(
+        self, layout: StepLayout, block_size: int, device: torch.device
+    ) -> ReferenceMetadata:
+        return build_reference_metadata(
+            layout.query_lens,
+            layout.seq_lens,
+            layout.block_tables,
+            layout.slot_mapping,
+            block_size,
+            device,
+        )
 
     def forward(
         self,
@@ -34,7 +72,7 @@ class EagerAttention(AttentionBackend):
         v: torch.Tensor,  # [T, Hkv, D]
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
+        meta: ReferenceMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -45,11 +83,61 @@ class EagerAttention(AttentionBackend):
         query: torch.Tensor,  # [B, H, D]: one query token per request
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
+        meta: ReferenceMetadata,
         scale: float,
     ) -> torch.Tensor:  # [B, H, D]
         """How a step's decode tokens attend (subclasses may bring a kernel)."""
         return decode_group_attention(query, k_cache, v_cache, meta, scale)
+
+
+def build_reference_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: list[int],
+    block_size: int,
+    device: torch.device | str,
+) -> ReferenceMetadata:
+    """The step's metadata with the masks and gather indices; a step of decodes followed by
+    prompt chunks also gets its two parts (see `ReferenceMetadata.parts`)."""
+    meta = ReferenceMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, device)
+    meta = _with_masks(meta, block_size)
+    num_decodes = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
+    if 0 < num_decodes < len(query_lens) and all(n > 1 for n in query_lens[num_decodes:]):
+        # Decode requests run one token each, so one slice cuts every per-request and
+        # per-token list at the same place.
+        decode, prompt = (
+            ReferenceMetadata.build(
+                query_lens[part], seq_lens[part], block_tables[part], slot_mapping[part], device
+            )
+            for part in (slice(None, num_decodes), slice(num_decodes, None))
+        )
+        decode, prompt = _with_masks(decode, block_size), _with_masks(prompt, block_size)
+        meta.parts = (decode, prompt)
+        meta.num_decode_tokens = num_decodes
+    return meta
+
+
+def _with_masks(meta: ReferenceMetadata, block_size: int) -> ReferenceMetadata:
+    """Add the decode group's mask and key slots, or each prompt's mask (on meta's device)."""
+    device = meta.seq_lens.device
+    if meta.is_decode_only:
+        key_positions = torch.arange(meta.block_tables.shape[1] * block_size, device=device)
+        meta.decode_mask = (key_positions[None, :] < meta.seq_lens[:, None])[:, None, None]
+        offsets = torch.arange(block_size, device=device)
+        slots = meta.block_tables[:, :, None] * block_size + offsets  # [B, max_blocks, block]
+        meta.decode_slots = slots.view(len(meta.query_lens_list), -1)  # [B, K]
+        return meta
+    # A query at position p (within its sequence) sees keys at positions <= p.
+    meta.prompt_masks = []
+    for num_queries, num_keys in zip(meta.query_lens_list, meta.seq_lens_list, strict=True):
+        if num_queries == num_keys:
+            meta.prompt_masks.append(None)  # no cached prefix: plain causal
+            continue
+        query_positions = torch.arange(num_keys - num_queries, num_keys, device=device)
+        key_positions = torch.arange(num_keys, device=device)
+        meta.prompt_masks.append(key_positions[None, :] <= query_positions[:, None])  # [Q, K]
+    return meta
 
 
 def write_kv(
@@ -69,7 +157,7 @@ def paged_attention(
     query: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    meta: AttentionMetadata,
+    meta: ReferenceMetadata,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's [T, Hkv, D] K and V
     attend_decodes: DecodeAttention | None = None,  # default: decode_group_attention
@@ -84,10 +172,9 @@ def paged_attention(
         decode, prompt = meta.parts
         n = meta.num_decode_tokens
         prompt_kv = None if new_kv is None else (new_kv[0][n:], new_kv[1][n:])
-        return torch.cat([
-            attend_decodes(query[:n], k_cache, v_cache, decode, scale),
-            prompt_attention(query[n:], k_cache, v_cache, prompt, scale, prompt_kv),
-        ])  # fmt: skip
+        decodes = attend_decodes(query[:n], k_cache, v_cache, decode, scale)  # [n, H, D]
+        prompts = prompt_attention(query[n:], k_cache, v_cache, prompt, scale, prompt_kv)
+        return torch.cat([decodes, prompts])  # [T, H, D]
     if meta.is_decode_only:
         return attend_decodes(query, k_cache, v_cache, meta, scale)
     return prompt_attention(query, k_cache, v_cache, meta, scale, new_kv)
@@ -97,7 +184,7 @@ def decode_group_attention(
     query: torch.Tensor,  # [B, H, D]: one query token per request
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    meta: AttentionMetadata,
+    meta: ReferenceMetadata,
     scale: float,
 ) -> torch.Tensor:  # [B, H, D]
     """Gather every request's context, padded to the longest, and attend in one batched pass.
@@ -133,7 +220,7 @@ def prompt_attention(
     query: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    meta: AttentionMetadata,
+    meta: ReferenceMetadata,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's [T, Hkv, D] K and V
 ) -> torch.Tensor:  # [T, H, D]

@@ -7,7 +7,7 @@
     ParallelLMHead       the vocabulary split by rows; rank 0 gathers the logits
 
 How a layer stores its weight and multiplies by it is its `method` (vLLM's "linear method"):
-`DenseLinearMethod`, plain `F.linear`, unless the model runner installs another (CPU packing,
+`DENSE`, plain `F.linear`, unless a platform or plug-in installs another (CPU packing,
 int8, FP8). Each layer tells the loader which part of which checkpoint tensor fills each of its
 parameters (`checkpoint_targets`), so a rank reads only its shard.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.distributed.parallel import TensorParallel
+from nanoserve.core.parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,7 @@ class LinearMethod:
         return F.linear(x, layer.weight, layer.bias)
 
 
-class DenseLinearMethod(LinearMethod):
-    """The plain weight and `F.linear`."""
-
-
-DENSE = DenseLinearMethod()
+DENSE = LinearMethod()  # the plain weight and `F.linear`: every Linear's method until replaced
 
 
 class Linear(nn.Linear):

@@ -4,6 +4,7 @@ The cos/sin table is computed once in float32 for every position up to
 `max_position_embeddings` and indexed by each token's position, so a batch can mix tokens of
 many requests at arbitrary positions. Each step looks up its positions once and casts them to
 the model's dtype (as transformers does before multiplying); every layer then reuses them.
+The rotation itself is `layers/ops.py`'s `apply_rotary`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 from torch import nn
 
 from nanoserve.common.checkpoint import check_rope_scaling
-from nanoserve.platforms.cpu.fused_ops import fused_ops_for
 
 
 def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -67,7 +67,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, signed_sin), each [T, 1, D] in `dtype`, for `apply_rotary`.
+        """positions [T] -> (cos, signed_sin), each [T, 1, D] in `dtype`, for `apply_rotary`
+        (`layers/ops.py`).
 
         Looked up and cast once per step, then shared by every layer. `signed_sin` is
         [-sin, sin]: the sign of the "rotate half" trick folded into the table.
@@ -77,19 +78,3 @@ class RotaryEmbedding(nn.Module):
         cos = torch.cat((cos, cos), dim=-1).to(dtype)  # [T, D]
         signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # [T, D]
         return cos[:, None], signed_sin[:, None]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each head of x [T, H, D] by its token's angle; cos/signed_sin are [T, 1, D].
-
-    transformers computes x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1].
-    Here the halves are swapped to [x2, x1] and the signed table supplies the minus: the same
-    arithmetic, rounding included, in fewer ops. (`torch.roll` would say the same but compiles
-    to a slower decode step: inductor inlines it into the attention loop.) On CPU, eager steps
-    take the fused kernel when it is on (`cpu_fused`): the same roundings in one pass.
-    """
-    fused = fused_ops_for(x)
-    if fused is not None and cos.dtype == x.dtype and cos.is_contiguous():
-        return fused.rotary(x, cos, signed_sin)
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin  # [T, H, D]

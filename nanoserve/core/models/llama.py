@@ -7,9 +7,8 @@ Switches (from ModelConfig): `attention_bias` (Qwen2: bias on q/k/v), `qk_norm` 
 on every head of q and k before RoPE), `rope_scaling` (Llama 3: "llama3" frequencies),
 `tie_word_embeddings` (lm_head shares the embedding matrix).
 
-Tensor parallelism (`tp`, a group of N processes) splits the heads, the MLP's intermediate size
-and the vocabulary N ways; each rank holds its share of every weight (see layers/linear.py).
-With N = 1 every layer is the plain one.
+With tensor parallelism (`tp`) each rank holds its share of the heads, of the MLP and of the
+vocabulary (`layers/linear.py`).
 
 The model works on one flat batch of tokens from any number of requests: `forward` takes token
 ids and positions of shape [T] plus the step's AttentionMetadata, and knows nothing of requests
@@ -24,7 +23,6 @@ from __future__ import annotations
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.common.config import ModelConfig
@@ -37,10 +35,11 @@ from nanoserve.core.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from nanoserve.core.layers.norm import RMSNorm, rms_normalize
-from nanoserve.core.layers.rotary import RotaryEmbedding, apply_rotary
-from nanoserve.distributed.parallel import TensorParallel
-from nanoserve.platforms.cpu.fused_ops import fused_ops_for
+from nanoserve.core.layers.norm import RMSNorm
+from nanoserve.core.layers.ops import PORTABLE_OPS
+from nanoserve.core.layers.rotary import RotaryEmbedding
+from nanoserve.core.models.base import CausalLM
+from nanoserve.core.parallel import TensorParallel
 
 
 def local_kv_heads(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
@@ -51,8 +50,10 @@ def local_kv_heads(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
         local = tp.split(num_kv_heads, "num_key_value_heads")
         return local, tp.rank * local
     if tp.size % num_kv_heads:
-        raise ValueError(f"the tensor-parallel size ({tp.size}) must be a multiple of "
-                         f"num_key_value_heads ({num_kv_heads}) when it exceeds it")  # fmt: skip
+        raise ValueError(
+            f"the tensor-parallel size ({tp.size}) must be a multiple of "
+            f"num_key_value_heads ({num_kv_heads}) when it exceeds it"
+        )
     return 1, tp.rank * num_kv_heads // tp.size
 
 
@@ -76,8 +77,9 @@ class LlamaAttention(nn.Module):
             ],
             bias=config.attention_bias,
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
-                                        config.hidden_size, tp)  # fmt: skip
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, tp
+        )
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -85,6 +87,7 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
+        self.ops = PORTABLE_OPS  # the q/k norms and RoPE (a platform may install kernels)
 
     def forward(
         self,
@@ -102,13 +105,14 @@ class LlamaAttention(nn.Module):
         )  # [T, H + Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, num_kv_heads, head_dim)
         if self.qk_norm:
-            q, k = rms_normalize(qk, self.q_norm.eps).split([num_heads, num_kv_heads], dim=1)
+            qk = self.ops.rms_norm(qk, None, self.q_norm.eps)
+            q, k = qk.split([num_heads, num_kv_heads], dim=1)
             # Scaling (and rotating) q and k apart compiles to a faster decode step than one
             # joint-head op: inductor inlines q's arithmetic into the attention loop.
             q, k = self.q_norm.weight * q, self.k_norm.weight * k  # [T, H, D], [T, Hkv, D]
         else:
             q, k = qk.split([num_heads, num_kv_heads], dim=1)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope)
         out = self.attn(q, k, v, attn_meta)  # [T, H, D]
         if output_rows is not None:
             out = out[output_rows]  # [S, H, D]
@@ -124,14 +128,11 @@ class LlamaMLP(nn.Module):
         parts = [OutputPart(name, size, tp.rank * size) for name in ("gate_proj", "up_proj")]
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, parts, bias=False)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
+        self.ops = PORTABLE_OPS  # silu(gate) * up (a platform may install a kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate / N]: gate, then up
-        fused = fused_ops_for(gate_up)
-        if fused is not None and gate_up.dim() == 2:
-            return self.down_proj(fused.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate / N] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(gate_up))  # [T, intermediate / N] -> [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -198,7 +199,7 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """A Llama-family causal LM: hidden states for a flat token batch, logits on request."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from nanoserve.common.checkpoint import SUPPORTED_ARCHITECTURES
+from nanoserve.core.models.base import CausalLM
 from nanoserve.core.models.llama import LlamaForCausalLM
 
 # Llama, Mistral, Qwen2 and Qwen3 differ only in switches that ModelConfig carries.
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -15,7 +16,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
 
-def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+def get_model_class(architecture: str) -> type[CausalLM]:
     """The model class for `architecture`; ValueError naming the supported ones otherwise."""
     try:
         return MODEL_REGISTRY[architecture]

@@ -1,11 +1,11 @@
-"""The default CPU attention backend: the eager backend, with decode tokens attending through
-our compiled paged-decode kernel (`csrc/decode_attention.cpp`, see `cpu_kernels`).
+"""The default CPU attention backend: the reference backend, with decode tokens attending through
+our compiled paged-decode kernel (`csrc/decode_attention.cpp`, see `kernels.py`).
 
-The eager path gathers every decode request's keys and values out of the paged cache, pads
+The reference path gathers every decode request's keys and values out of the paged cache, pads
 them to the longest context and runs PyTorch's ops over the copies: at a decode step's sizes
 that costs more in copies and dispatch than in arithmetic. The kernel reads each key and value
 row where it lies in the cache, once for all the query heads that share it, in float32. Prompt
-tokens attend as in the eager backend.
+tokens attend as in the reference backend.
 """
 
 from __future__ import annotations
@@ -14,14 +14,17 @@ from types import ModuleType
 
 import torch
 
-from nanoserve.core.attention.eager import EagerAttention, decode_group_attention
-from nanoserve.core.attention.metadata import AttentionMetadata
+from nanoserve.core.attention.reference import (
+    ReferenceAttention,
+    ReferenceMetadata,
+    decode_group_attention,
+)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-class CpuKernelAttention(EagerAttention):
-    """Eager attention whose decode tokens take the compiled paged-decode kernel."""
+class CpuKernelAttention(ReferenceAttention):
+    """Reference attention whose decode tokens take the compiled paged-decode kernel."""
 
     name = "cpu"
 
@@ -33,7 +36,7 @@ class CpuKernelAttention(EagerAttention):
         query: torch.Tensor,  # [B, H, D]: one query token per request
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
+        meta: ReferenceMetadata,
         scale: float,
     ) -> torch.Tensor:  # [B, H, D]
         if query.dtype not in KERNEL_DTYPES or query.device.type != "cpu":

@@ -1,15 +1,14 @@
-"""Fused CPU versions of RMSNorm, the rotary embedding and SwiGLU's silu(gate) * up, used by
-eager CPU steps.
+"""Fused CPU versions of RMSNorm, the rotary embedding and SwiGLU's silu(gate) * up: the CPU's
+layer ops (`core/layers/ops.py`).
 
 A decode step's RMSNorm is 7 PyTorch ops over one row of 1024 values (cast, square, mean, add,
 rsqrt, multiply, cast back, then the weight), and rotating q and k takes 5 more each: at a few
 microseconds of dispatch apiece, ~200 µs per layer of a step that streams ~30 MB of weights.
-`csrc/fused_ops.cpp` computes each in one pass with PyTorch's roundings (see `cpu_kernels`).
+`csrc/fused_ops.cpp` computes each in one pass with PyTorch's roundings (see `kernels.py`).
 
-The model runner turns them on for a CPU model (`use_fused_cpu_ops`); `fused_ops_for(x)` then
-hands the kernels to `norm.py`, `rotary.py` and the models' MLP for CPU tensors of bf16 or
-float32 outside torch.compile (inductor fuses those ops itself). Elsewhere, or when the
-kernels could not be built, the plain ops run.
+The CPU platform installs `FusedCpuOps` on every layer of a CPU model; it takes bf16 and float32
+CPU tensors through the kernels outside torch.compile (inductor fuses those ops itself) and
+anything else through the portable ops.
 """
 
 from __future__ import annotations
@@ -18,21 +17,37 @@ from types import ModuleType
 
 import torch
 
-from nanoserve.platforms.cpu.kernels import load_cpu_kernels
+from nanoserve.core.layers.ops import LayerOps
 
-_fused: ModuleType | None = None
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def use_fused_cpu_ops(enabled: bool = True) -> bool:
-    """Turn the fused ops on (building them if needed) or off; True if they are now on."""
-    global _fused
-    _fused = load_cpu_kernels() if enabled else None
-    return _fused is not None
+class FusedCpuOps(LayerOps):
+    """The layer ops, through our C++ kernels (`load_cpu_kernels()`) where they apply."""
 
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
 
-def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
-    """The kernels, if they are on and take `x` (CPU, bf16/float32, eager); else None."""
-    if _fused is None or not x.is_cpu or x.dtype not in FUSED_DTYPES:
-        return None
-    return None if torch.compiler.is_compiling() else _fused
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the kernels take `x`: a bf16 or float32 CPU tensor, outside torch.compile."""
+        return x.is_cpu and x.dtype in FUSED_DTYPES and not torch.compiler.is_compiling()
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:  # [T, D] or [T, heads, D]
+        same_dtype = weight is None or weight.dtype == x.dtype
+        if self.takes(x) and x.dim() in (2, 3) and same_dtype:
+            return self.kernels.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def rotary(
+        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> torch.Tensor:  # [T, H, D]
+        if self.takes(x) and cos.dtype == x.dtype and cos.is_contiguous():
+            return self.kernels.rotary(x, cos, signed_sin)
+        return super().rotary(x, cos, signed_sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        if self.takes(gate_up) and gate_up.dim() == 2:
+            return self.kernels.silu_mul(gate_up)
+        return super().silu_mul(gate_up)

@@ -126,9 +126,12 @@ def install_packed_linears(model: nn.Module, keep_plain_weights: bool) -> int:
         layer.method = method
         method.process_weights(layer)
     if packable:
-        logger.info("packed %d of %d linear weights for oneDNN; decode steps by %s",
-                    len(packable), len(layers),
-                    "the compiled GEMV" if method.gemv else "the packed product")  # fmt: skip
+        logger.info(
+            "packed %d of %d linear weights for oneDNN; decode steps by %s",
+            len(packable),
+            len(layers),
+            "the compiled GEMV" if method.gemv else "the packed product",
+        )
     return len(packable)
 
 

@@ -3,10 +3,12 @@
 Per layer and step: one kernel writes the new keys and values by slot, then either the
 flash-decoding kernel (every request runs one token: the step CUDA graphs capture) or the ragged
 flash-attention kernel (prompts, chunks after a cached prefix, and mixed steps) reads the paged
-cache through the block tables. It needs none of the eager backend's masks or gather indices.
+cache through the block tables. It needs none of the reference backend's masks or gather indices.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,15 +18,25 @@ from nanoserve.platforms.cuda.kernels.decode import num_decode_splits, paged_dec
 from nanoserve.platforms.cuda.kernels.prefill import ragged_prefill_attention
 from nanoserve.platforms.cuda.kernels.store_kv import store_kv
 
+if TYPE_CHECKING:
+    from nanoserve.core.step_layout import StepLayout
+
 
 class TritonAttention(AttentionBackend):
-    """Paged attention in three Triton kernels (see `attention/kernels/`)."""
+    """Paged attention in three Triton kernels (see `kernels/`)."""
 
     name = "triton"
-    uses_eager_metadata = False
 
     def __init__(self, num_kv_heads: int) -> None:
         self.num_kv_heads = num_kv_heads
+
+    def build_metadata(
+        self, layout: StepLayout, block_size: int, device: torch.device
+    ) -> AttentionMetadata:
+        """The shared fields are all the kernels read (slots, block tables, lengths)."""
+        return AttentionMetadata.build(
+            layout.query_lens, layout.seq_lens, layout.block_tables, layout.slot_mapping, device
+        )
 
     def forward(
         self,

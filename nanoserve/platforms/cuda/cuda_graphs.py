@@ -7,22 +7,23 @@ buffers. A decode step of n requests then copies its inputs into the buffers, pa
 the smallest bucket ≥ n, and replays that bucket's graph. Padding rows write no KV (slot -1)
 and attend over one token of block 0; their outputs are dropped.
 
-Only decode-only steps run as graphs, and only with the Triton attention backend (whose decode
-grid depends on the batch size alone); prefill and mixed steps run eagerly. `--enforce-eager`
-turns graphs off.
+`CudaGraphRunner` is a step runner: it takes decode-only steps that fit a bucket, and only with
+the Triton attention backend (whose decode grid depends on the batch size alone); prefill and
+mixed steps go to the eager runner. `--enforce-eager` turns graphs off.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nanoserve.core.attention.metadata import AttentionMetadata
+from nanoserve.core.model_runner import StepRunner
+from nanoserve.core.models.base import CausalLM
+from nanoserve.core.step_layout import StepLayout
 
 logger = logging.getLogger("nanoserve.cuda_graphs")
 
@@ -49,17 +50,6 @@ def block_table_width(max_model_len: int, block_size: int) -> int:
     return -(-max_model_len // block_size)
 
 
-@dataclass
-class DecodeInputs:
-    """One decode step's inputs, one entry per request (host-side lists)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-
-
 class DecodeGraphBuffers:
     """The persistent tensors every captured graph reads; a step's inputs are copied in."""
 
@@ -76,8 +66,8 @@ class DecodeGraphBuffers:
         self.block_tables = longs(max_batch, table_width)  # [N, W]
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
 
-    def fill(self, inputs: DecodeInputs, bucket: int) -> None:
-        """Copy a step's inputs into rows [0, n) and make rows [n, bucket) padding."""
+    def fill(self, inputs: StepLayout, bucket: int) -> None:
+        """Copy a decode step's inputs into rows [0, n) and make rows [n, bucket) padding."""
         n = len(inputs.input_ids)
         assert n <= bucket <= self.max_batch, f"{n} requests do not fit bucket {bucket}"
         table = torch.zeros(bucket, self.table_width, dtype=torch.int64)
@@ -107,23 +97,26 @@ class DecodeGraphBuffers:
             seq_lens=self.seq_lens[:bucket],
             query_start_loc=self.query_start_loc[: bucket + 1],
             query_lens_list=[1] * bucket,
-            seq_lens_list=[],  # only the eager backend reads it, and graphs never run eager
+            seq_lens_list=[],  # only the reference backend reads it, and graphs run Triton's
             is_decode_only=True,
         )
 
 
-class CudaGraphRunner:
+class CudaGraphRunner(StepRunner):
     """Captures the model's decode forward pass per bucket and replays it."""
+
+    name = "cuda-graphs"
 
     def __init__(
         self,
-        model: Callable[..., torch.Tensor],
+        model: CausalLM,
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
         device: torch.device,
     ) -> None:
-        self.model = model
+        super().__init__(model)
+        self.capture_time_s = 0.0
         self.sizes = capture_sizes(max_num_seqs)
         self.buffers = DecodeGraphBuffers(
             self.sizes[-1], block_table_width(max_model_len, block_size), device
@@ -139,10 +132,14 @@ class CudaGraphRunner:
             for bucket in reversed(self.sizes):
                 self._capture_one(bucket)
         torch.cuda.synchronize()
-        elapsed = time.perf_counter() - started
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s",
-                    len(self.sizes), self.sizes, elapsed)  # fmt: skip
-        return elapsed
+        self.capture_time_s = time.perf_counter() - started
+        logger.info(
+            "captured %d CUDA graphs (batch sizes %s) in %.1f s",
+            len(self.sizes),
+            self.sizes,
+            self.capture_time_s,
+        )
+        return self.capture_time_s
 
     def _capture_one(self, bucket: int) -> None:
         buffers = self.buffers
@@ -159,13 +156,14 @@ class CudaGraphRunner:
         self._pool = graph.pool()
         self.graphs[bucket] = graph
 
-    def can_run(self, num_requests: int) -> bool:
-        return bucket_for(num_requests, self.sizes) is not None
+    def can_run(self, layout: StepLayout) -> bool:
+        return layout.is_decode_only and bucket_for(len(layout.query_lens), self.sizes) is not None
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:  # [n, hidden]
-        """Replay the smallest fitting graph on these inputs; the real rows' hidden states."""
-        bucket = bucket_for(len(inputs.input_ids), self.sizes)
+    def run(self, layout: StepLayout) -> torch.Tensor:  # [S + P, hidden]
+        """Replay the smallest fitting graph on this step's inputs; the output rows."""
+        bucket = bucket_for(len(layout.input_ids), self.sizes)
         assert bucket is not None, "call can_run first"
-        self.buffers.fill(inputs, bucket)
+        self.buffers.fill(layout, bucket)
         self.graphs[bucket].replay()
-        return self.outputs[bucket][: len(inputs.input_ids)]
+        hidden = self.outputs[bucket][: len(layout.input_ids)]  # [T, hidden]
+        return hidden if layout.is_every_row_output else hidden[layout.output_rows]

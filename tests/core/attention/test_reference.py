@@ -1,4 +1,4 @@
-"""The eager attention backend (and the CPU one, whose decodes take our C++ kernel) against
+"""The reference attention backend (and the CPU one, whose decodes take our C++ kernel) against
 attention written out the long way, in float64."""
 
 import math
@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from nanoserve.core.attention.eager import EagerAttention
-from nanoserve.core.attention.metadata import build_attention_metadata
+from nanoserve.core.attention.reference import ReferenceAttention, build_reference_metadata
 from nanoserve.platforms.cpu.attention import CpuKernelAttention
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
@@ -34,7 +33,7 @@ def naive_attention(query, keys, values, query_positions, scale):
     return out
 
 
-@pytest.mark.parametrize("backend", ["eager", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("seed", range(4))
 def test_mixed_steps_match_naive_attention(seed, backend):
     """Decodes, fresh prompts, chunks after a cached prefix and fully cached prompts, mixed."""
@@ -71,11 +70,13 @@ def test_mixed_steps_match_naive_attention(seed, backend):
         full_values.append(values)
         query_positions.append(list(range(num_cached, total)))
 
-    meta = build_attention_metadata(query_lens, seq_lens, tables, slots, BLOCK_SIZE, "cpu")
+    meta = build_reference_metadata(query_lens, seq_lens, tables, slots, BLOCK_SIZE, "cpu")
     new_k = torch.cat([k[len(k) - n :] for k, n in zip(full_keys, query_lens, strict=True)])
     new_v = torch.cat([v[len(v) - n :] for v, n in zip(full_values, query_lens, strict=True)])
     query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM)
-    attention = EagerAttention() if backend == "eager" else CpuKernelAttention(load_cpu_kernels())
+    attention = (
+        ReferenceAttention() if backend == "eager" else CpuKernelAttention(load_cpu_kernels())
+    )
     got = attention.forward(query, new_k, new_v, k_cache, v_cache, meta, 0.35)
 
     start = 0
@@ -90,7 +91,7 @@ def test_mixed_steps_match_naive_attention(seed, backend):
 
 
 def test_mixed_step_is_split_into_decode_and_prompt_parts():
-    meta = build_attention_metadata(
+    meta = build_reference_metadata(
         [1, 1, 5], [6, 3, 5], [[0, 1], [2], [3, 4]], [5, 10, 12, 13, 14, 15, 16], BLOCK_SIZE, "cpu"
     )
     decode, prompt = meta.parts

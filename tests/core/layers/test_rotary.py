@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from nanoserve.core.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
+from nanoserve.core.layers.ops import apply_rotary
+from nanoserve.core.layers.rotary import RotaryEmbedding, compute_inv_freq
 
 HEAD_DIM = 64
 MAX_POSITION = 4096

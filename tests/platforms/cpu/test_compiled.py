@@ -1,4 +1,5 @@
-"""The compiled CPU attention backend (compile_decode=True) against the eager one."""
+"""The compiled CPU decode path (compile_decode=True) against the reference attention and the
+eager runner."""
 
 import random
 
@@ -8,21 +9,20 @@ from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
-from nanoserve.core.attention.eager import paged_attention
-from nanoserve.core.attention.metadata import build_attention_metadata
-from nanoserve.core.engine import Engine
+from nanoserve.core.attention.reference import build_reference_metadata, paged_attention
+from nanoserve.engine_setup import build_engine
 from nanoserve.platforms.cpu.attention import CpuKernelAttention
 from nanoserve.platforms.cpu.compiled import CompiledCpuAttention, decode_attention
 
 
-def test_decode_attention_matches_eager():
+def test_decode_attention_matches_the_reference():
     torch.manual_seed(0)
     block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 8
     k_cache = torch.randn(20, block_size, num_kv_heads, head_dim)
     v_cache = torch.randn_like(k_cache)
     seq_lens = [1, 7, 13]  # one request inside its first block, others spanning blocks
     block_tables = [[3], [5, 1], [2, 9, 11, 4]]
-    meta = build_attention_metadata(
+    meta = build_reference_metadata(
         [1, 1, 1], seq_lens, block_tables, [12, 6, 16], block_size, torch.device("cpu")
     )
     query = torch.randn(3, num_heads, head_dim)
@@ -40,7 +40,7 @@ def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
 
     def run(eager: bool, batch: list[list[int]]) -> list[list[int]]:
-        engine = Engine(
+        engine = build_engine(
             EngineConfig(
                 model=str(checkpoint),
                 dtype="float32",
@@ -49,9 +49,10 @@ def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
                 compile_decode=not eager,
             )
         )
-        assert (engine.runner.compiled_model is None) == eager
+        names = [runner.name for runner in engine.runner.step_runners]
+        assert names == (["eager"] if eager else ["compiled-decode", "eager"])
         backend = CpuKernelAttention if eager else CompiledCpuAttention
-        assert type(engine.runner.attention_backend) is backend
+        assert type(engine.kv_cache.backend) is backend
         tokens: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}
         for i, prompt in enumerate(batch):
             engine.add_request(str(i), prompt, params)
@@ -63,3 +64,27 @@ def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
     # One request alone (one-token linears) and three at once (batched decode).
     for batch in (prompts[:1], prompts):
         assert run(False, batch) == run(True, batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("is_reset", [False, True])
+def test_the_compiled_runner_leaves_nothing_to_compile_for_the_first_requests(tmp_path, is_reset):
+    """Built, the compiled runner has its four decode graphs: decoding at batch sizes 1, 2 and 3,
+    inside a context's first KV block and past it, compiles nothing more (with the compiled
+    graphs thrown away, the same requests do compile)."""
+    from torch._dynamo.utils import counters
+
+    model_dir = make_tiny_checkpoint(tmp_path, "qwen3")
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", compile_decode=True)
+    engine = build_engine(config)
+    if is_reset:
+        torch._dynamo.reset()
+    num_graphs = counters["stats"]["unique_graphs"]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for batch in ([[5, 6]], [[7, 8], [9]], [[1] * 3, [2] * 20, [3] * 40]):
+        for i, prompt in enumerate(batch):
+            engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    num_new_graphs = counters["stats"]["unique_graphs"] - num_graphs
+    assert (num_new_graphs > 0) == is_reset, num_new_graphs

@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.core.attention.eager import EagerAttention, decode_group_attention
-from nanoserve.core.attention.metadata import build_attention_metadata
+from nanoserve.common.config import EngineConfig
+from nanoserve.core.attention.reference import (
+    ReferenceAttention,
+    build_reference_metadata,
+    decode_group_attention,
+)
 from nanoserve.platforms.cpu import kernels as cpu_kernels
 from nanoserve.platforms.cpu.attention import CpuKernelAttention
-from nanoserve.platforms.selector import select_attention_backend
+from nanoserve.platforms.cpu.fast_paths import CpuPaths
 
 CPU = torch.device("cpu")
 
@@ -28,7 +32,7 @@ def decode_step(num_kv_heads: int, group: int, head_dim: int, block_size: int, d
     v_cache = torch.randn_like(k_cache)
     seq_lens = [1, block_size, 3 * block_size + 1, 2 * block_size - 1]
     tables = [[7], [3, 9], [30, 2, 11, 5], [39, 0]]  # the last request's spare block unused
-    meta = build_attention_metadata([1] * 4, seq_lens, tables, [0] * 4, block_size, CPU)
+    meta = build_reference_metadata([1] * 4, seq_lens, tables, [0] * 4, block_size, CPU)
     query = torch.randn(4, num_kv_heads * group, head_dim, dtype=dtype)
     return query, k_cache, v_cache, meta
 
@@ -87,8 +91,7 @@ def test_float16_decodes_keep_the_eager_path(kernels):
     assert torch.equal(got, decode_group_attention(query, k_cache, v_cache, meta, 0.2))
 
 
-def test_cpu_engines_select_it_unless_the_kernels_are_off(monkeypatch):
-    assert isinstance(select_attention_backend(CPU, 16, 8), CpuKernelAttention)
-    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
-    monkeypatch.setattr("nanoserve.platforms.selector.load_cpu_kernels", lambda: None)
-    assert type(select_attention_backend(CPU, 16, 8)) is EagerAttention
+def test_cpu_engines_select_it_unless_the_kernels_are_off(kernels, tmp_path):
+    config = EngineConfig(model=str(tmp_path), device="cpu")
+    assert isinstance(CpuPaths(config, kernels).attention_backend(None), CpuKernelAttention)
+    assert type(CpuPaths(config, None).attention_backend(None)) is ReferenceAttention

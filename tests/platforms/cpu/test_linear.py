@@ -98,7 +98,7 @@ def test_engine_packs_bf16_weights_and_generates_the_same_tokens(
     params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
 
     llm = LLM(checkpoint, dtype="bfloat16")
-    model = llm.engine.runner.model
+    model = llm.engine.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
     assert all(isinstance(m.method, PackedLinearMethod) for m in linears)
@@ -107,7 +107,7 @@ def test_engine_packs_bf16_weights_and_generates_the_same_tokens(
 
     monkeypatch.setattr(cpu_linear, "can_pack", lambda weight: False)
     plain_llm = LLM(checkpoint, dtype="bfloat16")
-    assert all(m.method is DENSE for m in plain_llm.engine.runner.model.modules()
+    assert all(m.method is DENSE for m in plain_llm.engine.model.modules()
                if isinstance(m, Linear))  # fmt: skip
     assert [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)] == packed
 
@@ -115,7 +115,7 @@ def test_engine_packs_bf16_weights_and_generates_the_same_tokens(
 def test_engine_decodes_through_the_gemv_and_keeps_the_plain_weights(tmp_path):
     checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
     llm = LLM(checkpoint, dtype="bfloat16")
-    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert all(m.method.gemv is not None and m.weight is not None for m in linears)
     gemv, rows_seen = linears[0].method.gemv, []
     linears[0].method.gemv = lambda x, w: rows_seen.append(len(x)) or gemv(x, w)
@@ -130,7 +130,7 @@ def test_compiled_decode_keeps_the_plain_weight_for_one_token_steps(tmp_path):
     checkpoint = make_tiny_checkpoint(tmp_path, "llama")
     llm = LLM(checkpoint, dtype="bfloat16", compile_decode=True)  # compiles in warm-up
     linears = [
-        m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)
+        m for m in llm.engine.model.modules() if isinstance(m, Linear)
     ]  # fmt: skip
     assert all(m.packed_weight is not None and m.weight is not None for m in linears)
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)

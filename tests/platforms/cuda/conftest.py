@@ -1,5 +1,5 @@
-"""Without CUDA the Triton kernels run under Triton's interpreter: the switch must be set before
-any test module here imports them (`triton.jit` reads it when it wraps a kernel)."""
+"""Without CUDA the Triton kernels run under Triton's interpreter: `tests/conftest.py` switches
+it on before anything imports triton; this makes sure of it when only these tests run."""
 
 import os
 

@@ -9,17 +9,30 @@ from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
-from nanoserve.core.engine import Engine
+from nanoserve.core.step_layout import StepLayout
+from nanoserve.engine_setup import build_engine
 from nanoserve.platforms.cuda.cuda_graphs import (
     PAD_SLOT,
     DecodeGraphBuffers,
-    DecodeInputs,
     block_table_width,
     bucket_for,
     capture_sizes,
 )
 
 CPU = torch.device("cpu")
+
+
+def decode_step(input_ids, positions, slot_mapping, seq_lens, block_tables) -> StepLayout:
+    """A decode-only step's layout (one token per request)."""
+    return StepLayout(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_lens=[1] * len(input_ids),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        sample_rows=list(range(len(input_ids))),
+    )
 
 
 def test_capture_sizes_are_powers_of_two_up_to_max_num_seqs():
@@ -31,9 +44,8 @@ def test_capture_sizes_are_powers_of_two_up_to_max_num_seqs():
 
 def test_a_batch_takes_the_smallest_bucket_that_holds_it():
     sizes = capture_sizes(48)
-    assert [bucket_for(n, sizes) for n in (1, 2, 3, 5, 16, 17, 33, 48)] == [
-        1, 2, 4, 8, 16, 32, 48, 48,
-    ]  # fmt: skip
+    buckets = [bucket_for(n, sizes) for n in (1, 2, 3, 5, 16, 17, 33, 48)]
+    assert buckets == [1, 2, 4, 8, 16, 32, 48, 48]
     assert bucket_for(49, sizes) is None  # more requests than max_num_seqs: run eagerly
 
 
@@ -45,7 +57,7 @@ def test_block_tables_hold_a_request_of_exactly_max_model_len():
 
 def test_fill_copies_the_batch_and_pads_to_the_bucket():
     buffers = DecodeGraphBuffers(max_batch=8, table_width=4, device=CPU)
-    inputs = DecodeInputs(
+    inputs = decode_step(
         input_ids=[11, 12, 13],
         positions=[5, 63, 0],
         slot_mapping=[37, 251, 16],
@@ -57,9 +69,8 @@ def test_fill_copies_the_batch_and_pads_to_the_bucket():
     assert buffers.positions[:4].tolist() == [5, 63, 0, 0]
     assert buffers.slot_mapping[:4].tolist() == [37, 251, 16, PAD_SLOT]  # the pad writes nothing
     assert buffers.seq_lens[:4].tolist() == [6, 64, 1, 1]  # the pad attends over one token
-    assert buffers.block_tables[:4].tolist() == [
-        [2, 7, 0, 0], [9, 3, 15, 4], [1, 0, 0, 0], [0, 0, 0, 0],
-    ]  # fmt: skip
+    tables = buffers.block_tables[:4].tolist()
+    assert tables == [[2, 7, 0, 0], [9, 3, 15, 4], [1, 0, 0, 0], [0, 0, 0, 0]]
     meta = buffers.metadata(4)
     assert meta.is_decode_only and meta.query_lens_list == [1] * 4
     assert meta.block_tables.shape == (4, 4) and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
@@ -68,9 +79,9 @@ def test_fill_copies_the_batch_and_pads_to_the_bucket():
 
 def test_a_smaller_batch_after_a_larger_one_leaves_no_stale_rows():
     buffers = DecodeGraphBuffers(max_batch=4, table_width=2, device=CPU)
-    big = DecodeInputs([1, 2, 3, 4], [9, 9, 9, 9], [1, 2, 3, 4], [10, 10, 10, 10], [[5, 6]] * 4)
+    big = decode_step([1, 2, 3, 4], [9, 9, 9, 9], [1, 2, 3, 4], [10, 10, 10, 10], [[5, 6]] * 4)
     buffers.fill(big, bucket=4)
-    buffers.fill(DecodeInputs([7], [3], [40], [4], [[2]]), bucket=2)
+    buffers.fill(decode_step([7], [3], [40], [4], [[2]]), bucket=2)
     assert buffers.slot_mapping[:2].tolist() == [40, PAD_SLOT]
     assert buffers.block_tables[:2].tolist() == [[2, 0], [0, 0]]
 
@@ -78,14 +89,15 @@ def test_a_smaller_batch_after_a_larger_one_leaves_no_stale_rows():
 def test_a_block_table_wider_than_the_graphs_is_an_error():
     buffers = DecodeGraphBuffers(max_batch=2, table_width=2, device=CPU)
     with pytest.raises(ValueError, match="wider than the graphs' 2"):
-        buffers.fill(DecodeInputs([1], [40], [40], [41], [[1, 2, 3]]), bucket=1)
+        buffers.fill(decode_step([1], [40], [40], [41], [[1, 2, 3]]), bucket=1)
 
 
 def test_cpu_engines_capture_no_graphs(tmp_path):
-    engine = Engine(
+    engine = build_engine(
         EngineConfig(model=str(make_tiny_checkpoint(tmp_path)), device="cpu", max_model_len=64)
     )
-    assert engine.runner.graph_runner is None and engine.runner.attention_backend.name == "cpu"
+    assert [r.name for r in engine.runner.step_runners] == ["eager"]
+    assert engine.kv_cache.backend.name == "cpu"
 
 
 @pytest.mark.gpu
@@ -96,13 +108,19 @@ def test_cuda_graphs_give_the_eager_steps_tokens(tmp_path, dtype):
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
 
     def run(enforce_eager: bool) -> list[list[int]]:
-        engine = Engine(
+        engine = build_engine(
             EngineConfig(
-                model=str(checkpoint), device="cuda", dtype=dtype, max_model_len=256,
-                max_num_seqs=16, gpu_memory_utilization=0.3, enforce_eager=enforce_eager,
+                model=str(checkpoint),
+                device="cuda",
+                dtype=dtype,
+                max_model_len=256,
+                max_num_seqs=16,
+                gpu_memory_utilization=0.3,
+                enforce_eager=enforce_eager,
             )
-        )  # fmt: skip
-        assert (engine.runner.graph_runner is None) == enforce_eager
+        )
+        names = [r.name for r in engine.runner.step_runners]
+        assert names == (["eager"] if enforce_eager else ["cuda-graphs", "eager"])
         tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)

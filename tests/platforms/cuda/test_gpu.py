@@ -8,7 +8,7 @@ from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
-from nanoserve.core.engine import Engine
+from nanoserve.engine_setup import build_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def test_cuda_fp32_greedy_equals_transformers(tmp_path, architecture):
             min_new_tokens=10,
         )
         expected.append(out[0, len(prompt) :].tolist())
-    engine = Engine(
+    engine = build_engine(
         EngineConfig(
             model=str(checkpoint),
             device="cuda",
@@ -49,15 +49,15 @@ def test_cuda_fp32_greedy_equals_transformers(tmp_path, architecture):
             gpu_memory_utilization=0.3,
         )
     )
-    assert engine.runner.num_blocks > 0 and engine.runner.attention_backend.name == "triton"
-    assert engine.runner.graph_runner is not None
+    assert engine.kv_cache.num_blocks > 0 and engine.kv_cache.backend.name == "triton"
+    assert [r.name for r in engine.runner.step_runners] == ["cuda-graphs", "eager"]
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
     assert generate(engine, prompts, params) == expected
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cuda_dummy_preset_runs_end_to_end(tmp_path, dtype):
-    engine = Engine(
+    engine = build_engine(
         EngineConfig(
             model="Qwen/Qwen3-0.6B",
             load_format="dummy",

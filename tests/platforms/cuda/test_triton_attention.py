@@ -13,8 +13,7 @@ import random
 import pytest
 import torch
 
-from nanoserve.core.attention.eager import paged_attention
-from nanoserve.core.attention.metadata import build_attention_metadata
+from nanoserve.core.attention.reference import build_reference_metadata, paged_attention
 from nanoserve.platforms.cuda.attention import TritonAttention
 from nanoserve.platforms.cuda.kernels.decode import (
     num_decode_splits,
@@ -55,7 +54,7 @@ def make_step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, se
         for table, q_len, s_len in zip(tables, query_lens, seq_lens, strict=True)
         for p in range(s_len - q_len, s_len)
     ]
-    meta = build_attention_metadata(query_lens, seq_lens, tables, slots, BLOCK_SIZE, DEVICE)
+    meta = build_reference_metadata(query_lens, seq_lens, tables, slots, BLOCK_SIZE, DEVICE)
     query = torch.randn(sum(query_lens), num_heads, head_dim, dtype=dtype, device=DEVICE)
     return query, k_cache, v_cache, meta
 

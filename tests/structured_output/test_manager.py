@@ -10,12 +10,7 @@ import torch
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.sampling_params import StructuredOutputsParams
-from nanoserve.structured_output.manager import (
-    GrammarMasks,
-    StructuredOutputManager,
-    apply_grammar_masks,
-    bias_from_bitmask,
-)
+from nanoserve.structured_output.manager import StructuredOutputManager, bias_from_bitmask
 
 EOS = 258  # <|im_end|> of the byte tokenizer
 VOCAB_SIZE = 320
@@ -92,16 +87,24 @@ def test_the_bitmask_becomes_a_bias_in_token_order() -> None:
     assert set(bias.unique().tolist()) == {0.0, float("-inf")}
 
 
-@pytest.mark.parametrize("rows", [[1], [0, 1, 2]])
-def test_apply_grammar_masks_sets_forbidden_tokens_to_minus_infinity(rows: list[int]) -> None:
-    logits = torch.randn(3, 70)
-    original = logits.clone()
-    bias = torch.full((len(rows), 70), float("-inf"))
-    bias[:, [5, 65]] = 0.0
-    out = apply_grammar_masks(logits, GrammarMasks(rows=rows, bias=bias))
-    for row in range(3):
-        if row in rows:
-            assert torch.isfinite(out[row]).nonzero().flatten().tolist() == [5, 65]
-            assert out[row, 5] == original[row, 5] and out[row, 65] == original[row, 65]
-        else:
-            assert torch.equal(out[row], original[row])
+def test_a_constraint_is_compiled_once_and_each_request_gets_its_own_matcher(manager) -> None:
+    constraint = StructuredOutputsParams(choice=["ab", "cd"])
+    builds = []
+    original = manager._build
+    manager._build = lambda c: builds.append(c) or original(c)  # type: ignore[method-assign]
+    try:
+        first, second = (manager.compile(constraint).result(timeout=60) for _ in range(2))
+    finally:
+        manager._build = original  # type: ignore[method-assign]
+    assert len(builds) <= 1  # once, or not at all when an earlier test compiled the same
+    assert first.matcher is not second.matcher
+    assert first.accept(ord("a"))  # one request's tokens do not move the other's grammar
+    assert allowed_ids(manager, second) == {ord("a"), ord("c")}
+    assert allowed_ids(manager, first) == {ord("b")}
+
+
+def test_a_failed_compile_is_remembered_and_fails_every_request(manager) -> None:
+    for _ in range(2):
+        future = manager.compile(StructuredOutputsParams(regex="(("))
+        with pytest.raises(ValueError, match="invalid structured output regex"):
+            future.result(timeout=60)

@@ -1,0 +1,52 @@
+"""The core's plug points, and the portable default behind each.
+
+Every fast path enters the core through one of these, chosen once at start-up outside the core
+(`nanoserve/engine_setup.py` picks them for the machine and the settings): the core never asks
+which device it runs on, and with the defaults it runs alone, on CPU or CUDA, as the reference
+every fast path is tested against (`--enforce-eager` keeps as much of it as the device allows).
+
+    prepare_model      linear methods (`layers/linear.py`) and layer ops (`layers/ops.py`),
+                       installed layer by layer on the loaded model: int8, FP8, packed, fused
+    weight_reader      how checkpoint tensors are read (`loader.py`): FP8 checkpoints dequantize
+    attention_backend  how attention writes and reads the paged cache (`attention/layer.py`)
+    kv_cache_budget    how many bytes the KV pool may take (`kv_cache.py`)
+    step_runners       how a step's forward pass is launched (`model_runner.py`): CUDA graphs,
+                       compiled decode, tensor-parallel broadcast, then the eager runner
+    grammar_backend    structured output (`grammar.py`)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanoserve.common.config import CacheConfig, ModelConfig, SchedulerConfig
+from nanoserve.core.attention.layer import AttentionBackend
+from nanoserve.core.attention.reference import ReferenceAttention
+from nanoserve.core.grammar import GrammarBackend, NoGrammarBackend
+from nanoserve.core.kv_cache import KVCache
+from nanoserve.core.loader import WeightReader
+from nanoserve.core.model_runner import StepRunner
+from nanoserve.core.models.base import CausalLM
+
+
+@dataclass
+class FastPaths:
+    """What a platform or a plug-in puts into the core; each default is the portable path."""
+
+    prepare_model: Callable[[CausalLM], None] = lambda model: None  # F.linear, portable ops
+    weight_reader: Callable[[ModelConfig], WeightReader] = lambda config: WeightReader()
+    attention_backend: Callable[[CausalLM], AttentionBackend] = lambda model: ReferenceAttention()
+    # Bytes for the KV pool, measured with the loaded model and the unallocated cache; None:
+    # `kv_cache_memory`, else up to 2 GiB (`kv_cache.py`).
+    kv_cache_budget: Callable[[CausalLM, KVCache, CacheConfig, SchedulerConfig], int] | None = None
+    # The runners a step may take, in order of preference, given the eager one (last resort).
+    step_runners: Callable[[CausalLM, StepRunner, SchedulerConfig], list[StepRunner]] = (
+        lambda model, eager, limits: [eager]
+    )
+    # Builds the grammars of constrained requests (tokenizer dir, vocab size, EOS ids); by
+    # default every constrained request is refused, saying so.
+    grammar_backend: Callable[[Path, int, frozenset[int]], GrammarBackend] = (
+        lambda tokenizer_dir, vocab_size, eos: NoGrammarBackend()
+    )

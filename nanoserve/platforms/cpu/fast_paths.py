@@ -1,0 +1,68 @@
+"""What the CPU puts into the core, chosen once for an engine on this machine.
+
+    linear methods   bf16 weights packed once for oneDNN, decode steps by our GEMV (`linear.py`)
+    layer ops        fused RMSNorm, RoPE and SwiGLU kernels (`fused_ops.py`)
+    attention        the reference backend with our paged-decode kernel (`attention.py`)
+    step runners     with `--compile`, decode steps under torch.compile (`compiled.py`)
+
+Each needs the C++ kernels (`kernels.py`) but the packing: without them (no compiler, or
+NANOSERVE_CPU_KERNELS=0) the portable ops and the reference backend run. `--enforce-eager`
+turns the compiled path off.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from nanoserve.common.config import EngineConfig, SchedulerConfig
+from nanoserve.core.attention.layer import AttentionBackend
+from nanoserve.core.attention.reference import ReferenceAttention
+from nanoserve.core.fast_paths import FastPaths
+from nanoserve.core.layers.ops import install_layer_ops
+from nanoserve.core.model_runner import EagerStepRunner, StepRunner
+from nanoserve.core.models.base import CausalLM
+from nanoserve.platforms.cpu.attention import CpuKernelAttention
+from nanoserve.platforms.cpu.compiled import CompiledCpuAttention, CompiledDecodeRunner
+from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
+from nanoserve.platforms.cpu.kernels import load_cpu_kernels
+from nanoserve.platforms.cpu.linear import install_packed_linears
+
+
+class CpuPaths:
+    """The CPU's fast paths for one engine (the kernels, if built, and the settings)."""
+
+    def __init__(self, config: EngineConfig, kernels: ModuleType | None) -> None:
+        self.kernels = kernels
+        self.compiled = config.use_compiled_decode
+
+    def prepare_model(self, model: CausalLM) -> None:
+        """Packed weights for the linears still plain (after any quantization), fused ops."""
+        # The compiled one-token products stream the plain weights: keep them too.
+        install_packed_linears(model, keep_plain_weights=self.compiled)
+        if self.kernels is not None:
+            install_layer_ops(model, FusedCpuOps(self.kernels))
+
+    def attention_backend(self, model: CausalLM) -> AttentionBackend:
+        if self.compiled:
+            return CompiledCpuAttention()
+        return ReferenceAttention() if self.kernels is None else CpuKernelAttention(self.kernels)
+
+    def step_runners(
+        self, model: CausalLM, eager: StepRunner, limits: SchedulerConfig
+    ) -> list[StepRunner]:
+        if not self.compiled:
+            return [eager]
+        assert isinstance(eager, EagerStepRunner)
+        compiled = CompiledDecodeRunner(eager)
+        compiled.compile_graphs()
+        return [compiled, eager]
+
+
+def cpu_fast_paths(config: EngineConfig) -> FastPaths:
+    """The CPU's fast paths for an engine of `config`."""
+    paths = CpuPaths(config, load_cpu_kernels())
+    return FastPaths(
+        prepare_model=paths.prepare_model,
+        attention_backend=paths.attention_backend,
+        step_runners=paths.step_runners,
+    )
