@@ -164,8 +164,9 @@ class InProcessServer:
     """The real HTTP app and a real engine in this process, each on a thread of its own.
 
     The flags are `nanoserve serve`'s, read by its own parser and config checks; the app, the
-    h11 protocol with its deadlines and the graceful shutdown are the ones `serve` runs. Log
-    records of the `nanoserve` and `uvicorn` loggers go to `log_path` while it runs.
+    h11 protocol with its deadlines and the graceful shutdown are the ones `serve` runs. What the
+    `nanoserve` and `uvicorn` loggers record on this server's threads (and while it is built)
+    goes to `log_path`, as a server process's output goes to its log.
     """
 
     def __init__(self, model: Path | str, log_path: Path, *args: str) -> None:
@@ -173,7 +174,10 @@ class InProcessServer:
         from nanoserve.server.app import create_app
 
         self.log_path = log_path
-        self._log_handler = _attach_log(log_path, level=_flag(args, "--log-level", "warning"))
+        self._log_threads = {threading.get_ident()}  # whose records are this server's
+        self.client: InProcessEngineClient | None = None
+        level = _flag(args, "--log-level", "warning")
+        self._log_handler = _attach_log(log_path, level, self._is_own_record)
         try:
             config, server_config, tokenizer, grace_s = _configs_from_flags(model, args)
             self.client = InProcessEngineClient(build_test_engine(config))
@@ -192,6 +196,14 @@ class InProcessServer:
             daemon=True,
         )
         self._thread.start()
+        self._log_threads = {self._thread.ident or 0}
+
+    def _is_own_record(self, record: logging.LogRecord) -> bool:
+        """Logged by the server's thread, by its engine's, or while the server was built."""
+        engine_thread = self.client._thread if self.client is not None else None
+        return record.thread in self._log_threads or (
+            engine_thread is not None and record.thread == engine_thread.ident
+        )
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         wait_healthy(self.url, self._thread.is_alive, self.log, timeout_s)
@@ -285,9 +297,10 @@ def _uvicorn_server(app, server_config, client, grace_s: float):
 _SERVER_LOGGERS = ("nanoserve", "uvicorn")
 
 
-def _attach_log(path: Path, level: str) -> logging.Handler:
+def _attach_log(path: Path, level: str, is_wanted) -> logging.Handler:
     handler = logging.FileHandler(path)
     handler.setLevel(level.upper())
+    handler.addFilter(is_wanted)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in _SERVER_LOGGERS:
         logging.getLogger(name).addHandler(handler)
