@@ -79,8 +79,10 @@ def measure_int8(rounds: int) -> None:
     results = alternate(llms, rounds, num_tokens=32)
     bf16, int8 = median(results["bf16"]), median(results["int8"])
     bandwidth, _ = measure_read_bandwidth_gb_s(torch.get_num_threads())
-    print(f"median decode: bf16 {bf16:.2f}, int8 {int8:.2f} tok/s -> int8 {int8 / bf16:.2f}x; "
-          f"read bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
+    print(
+        f"median decode: bf16 {bf16:.2f}, int8 {int8:.2f} tok/s -> int8 {int8 / bf16:.2f}x; "
+        f"read bandwidth {bandwidth:.1f} GB/s"
+    )
 
 
 def matmul_probe_tflops(rows: int) -> float:
@@ -109,17 +111,25 @@ def measure_prefill(num_tokens: int, runs: int) -> None:
     attention = 28 * 2 * 2 * num_tokens * num_tokens / 2 * 16 * 128  # causal QK^T and PV
     flops = 2 * LINEAR_PARAMS_06B * num_tokens + attention
     best = min(times)
-    print(f"{num_tokens}-token prefill: best {best:.2f} s of {[round(t, 2) for t in times]}, "
-          f"{flops / 1e12:.2f} TFLOP -> {flops / best / 1e12:.3f} TFLOP/s; matmul probe "
-          f"{peak:.3f} TFLOP/s ({flops / best / 1e12 / peak:.0%} of it)")  # fmt: skip
+    print(
+        f"{num_tokens}-token prefill: best {best:.2f} s of {[round(t, 2) for t in times]}, "
+        f"{flops / 1e12:.2f} TFLOP -> {flops / best / 1e12:.3f} TFLOP/s; matmul probe "
+        f"{peak:.3f} TFLOP/s ({flops / best / 1e12 / peak:.0%} of it)"
+    )
 
 
 def measure_auto_dtype(rounds: int) -> None:
     checkpoint = make_tiny_checkpoint(
-        tempfile.mkdtemp(), "qwen3", hidden_size=512, intermediate_size=1536,
-        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        tempfile.mkdtemp(),
+        "qwen3",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
         max_position_embeddings=2048,
-    )  # fmt: skip
+    )
     llms = {
         "auto": LLM(str(checkpoint), max_model_len=1024),
         "float32": LLM(str(checkpoint), max_model_len=1024, dtype="float32"),
@@ -172,8 +182,10 @@ def measure_gemv_products() -> None:
         inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (1024, 2048, 3072)}
         onednn = linear_pass_s(lambda x, w: packed_linear(x, w, None), inputs, packed)
         ours = linear_pass_s(gemv, inputs, plain)
-        print(f"{rows} rows: oneDNN packed {gigabytes / onednn:.1f} GB/s, GEMV "
-              f"{gigabytes / ours:.1f} GB/s -> {onednn / ours:.2f}x")  # fmt: skip
+        print(
+            f"{rows} rows: oneDNN packed {gigabytes / onednn:.1f} GB/s, GEMV "
+            f"{gigabytes / ours:.1f} GB/s -> {onednn / ours:.2f}x"
+        )
 
 
 def measure_gemv(rounds: int) -> None:
@@ -181,9 +193,10 @@ def measure_gemv(rounds: int) -> None:
     measure_gemv_products()
     llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
     method = next(
-        m.method for m in llm.engine.model.modules()
+        m.method
+        for m in llm.engine.model.modules()
         if isinstance(getattr(m, "method", None), PackedLinearMethod)
-    )  # fmt: skip
+    )
     gemv = method.gemv
     switches = {
         "packed": lambda: setattr(method, "gemv", None),
@@ -192,8 +205,10 @@ def measure_gemv(rounds: int) -> None:
     results = alternate(dict.fromkeys(switches, llm), rounds, 32, switches)
     packed, ours = median(results["packed"]), median(results["gemv"])
     bandwidth, _ = measure_read_bandwidth_gb_s(torch.get_num_threads())
-    print(f"median decode: packed {packed:.2f}, gemv {ours:.2f} tok/s -> {ours / packed:.3f}x; "
-          f"read bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
+    print(
+        f"median decode: packed {packed:.2f}, gemv {ours:.2f} tok/s -> {ours / packed:.3f}x; "
+        f"read bandwidth {bandwidth:.1f} GB/s"
+    )
 
 
 def measure_decode_attention(rounds: int) -> None:
@@ -209,8 +224,10 @@ def measure_decode_attention(rounds: int) -> None:
     for context in (46, 1000):
         results = alternate(dict.fromkeys(switches, llm), rounds, 32, switches, context)
         eager, ours = median(results["eager"]), median(results["kernel"])
-        print(f"{context + 1}-token prompt, median decode: eager {eager:.2f}, kernel "
-              f"{ours:.2f} tok/s -> {ours / eager:.2f}x (rounds: {results})")  # fmt: skip
+        print(
+            f"{context + 1}-token prompt, median decode: eager {eager:.2f}, kernel "
+            f"{ours:.2f} tok/s -> {ours / eager:.2f}x (rounds: {results})"
+        )
 
 
 def main() -> None:

@@ -49,11 +49,23 @@ OUTPUT_ROOT = Path(__file__).resolve().parent / "results"
 def serving(model: Path, flags: list[str], log_path: Path) -> Iterator[str]:
     """`nanoserve serve` with the user's defaults plus `flags`; yields its URL once healthy."""
     port = free_port()
-    argv = [sys.executable, "-m", "nanoserve.cli.main", "serve", "--model", str(model),
-            "--port", str(port), "--max-model-len", "2048", *flags]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "nanoserve.cli.main",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        *flags,
+    ]
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -177,16 +189,22 @@ def main(argv: list[str] | None = None) -> int:
         model = make_dummy_checkpoint(Path(tmp) / "model", args.preset)
         rows = [run_arm(name, flags, model, prompts, args, out) for name, flags in ARMS.items()]
     base = rows[0]
-    print(f"\n{len(prompts)} requests, {args.groups} groups x {args.per_group}, prefix "
-          f"{args.prefix_len} tokens, {args.max_tokens} tokens out, concurrency "
-          f"{args.concurrency}, {args.preset} shape (dummy weights)\n")  # fmt: skip
-    print("| arm | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p50, non-first ms | wall s "
-          "| wall vs dp1 |")  # fmt: skip
+    print(
+        f"\n{len(prompts)} requests, {args.groups} groups x {args.per_group}, prefix "
+        f"{args.prefix_len} tokens, {args.max_tokens} tokens out, concurrency "
+        f"{args.concurrency}, {args.preset} shape (dummy weights)\n"
+    )
+    print(
+        "| arm | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p50, non-first ms | wall s "
+        "| wall vs dp1 |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arm']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | "
-              f"{r['ttft_p90_ms']:.0f} | {r['ttft_rest_p50_ms']:.0f} | {r['wall_s']:.1f} | "
-              f"{r['wall_s'] / base['wall_s']:.2f} |")  # fmt: skip
+        print(
+            f"| {r['arm']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | "
+            f"{r['ttft_p90_ms']:.0f} | {r['ttft_rest_p50_ms']:.0f} | {r['wall_s']:.1f} | "
+            f"{r['wall_s'] / base['wall_s']:.2f} |"
+        )
     (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     print(f"\nresults: {out}")
     return 0

@@ -98,10 +98,14 @@ def bench_nanoserve(model_dir: Path, device: torch.device, seed: int) -> dict:
     started = time.perf_counter()
     engine = build_engine(
         EngineConfig(
-            model=str(model_dir), dtype="bfloat16", device=device.type, max_model_len=4096,
-            max_num_seqs=max(CONCURRENCY), gpu_memory_utilization=0.8,
+            model=str(model_dir),
+            dtype="bfloat16",
+            device=device.type,
+            max_model_len=4096,
+            max_num_seqs=max(CONCURRENCY),
+            gpu_memory_utilization=0.8,
         )
-    )  # fmt: skip
+    )
     engine.warm_up()
     result: dict = {"startup_s": time.perf_counter() - started}
     graphs = [r for r in engine.runner.step_runners if hasattr(r, "capture_time_s")]
@@ -130,9 +134,12 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, device) ->
     synchronize(device)
     started = time.perf_counter()
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False,
-        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-    )  # fmt: skip
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+    )
     synchronize(device)
     return time.perf_counter() - started, out[:, ids.shape[1] :].tolist()
 
@@ -151,8 +158,10 @@ def bench_transformers(model_dir: Path, device: torch.device, seed: int) -> dict
     result["single_stream_tok_s"] = (SINGLE_OUTPUT_LEN - 1) / (total_s - one_s)
     result["single_stream_tokens"] = outputs[0]
     for length in TTFT_PROMPT_LENS:
-        runs = [hf_generate(model, random_prompts(1, length, seed + 1 + r), 1, device)[0]
-                for r in range(3)]  # fmt: skip
+        runs = [
+            hf_generate(model, random_prompts(1, length, seed + 1 + r), 1, device)[0]
+            for r in range(3)
+        ]
         result[f"ttft_ms_{length}"] = 1000 * sorted(runs)[1]
     for batch in (8, 32):
         elapsed, _ = hf_generate(
@@ -171,10 +180,23 @@ def bench_server(model_dir: Path, device: torch.device, out_dir: Path) -> dict:
     """`nanoserve serve` on this device and SERVE_CLIENTS concurrent streaming clients."""
     port = free_port()
     command = [
-        sys.executable, "-m", "nanoserve.cli.main", "serve", "--model", str(model_dir),
-        "--port", str(port), "--device", device.type, "--max-model-len", "4096",
-        "--served-model-name", "bench", "--log-level", "warning",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "nanoserve.cli.main",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--device",
+        device.type,
+        "--max-model-len",
+        "4096",
+        "--served-model-name",
+        "bench",
+        "--log-level",
+        "warning",
+    ]
     with open(out_dir / "gpu-serve.log", "wb") as server_log:
         server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
     try:
@@ -183,18 +205,33 @@ def bench_server(model_dir: Path, device: torch.device, out_dir: Path) -> dict:
         ready_s = time.perf_counter() - started
         rng = random.Random(0)
         bodies = [
-            completion_body("bench", "".join(rng.choice("abcdefgh ") for _ in range(PROMPT_LEN)),
-                            OUTPUT_LEN, ignore_eos=True)
+            completion_body(
+                "bench",
+                "".join(rng.choice("abcdefgh ") for _ in range(PROMPT_LEN)),
+                OUTPUT_LEN,
+                ignore_eos=True,
+            )
             for _ in range(SERVE_CLIENTS)
-        ]  # fmt: skip
+        ]
         url = f"http://127.0.0.1:{port}/v1/completions"
         results, duration_s = asyncio.run(
             run_phase(url, bodies, SERVE_CLIENTS, float("inf"), 0, 300.0, "serve")
         )
         summary = summarize(results, duration_s)
-        return {"ready_s": ready_s, **{k: summary[k] for k in (
-            "num_completed", "num_errors", "errors", "output_throughput", "ttft_ms", "itl_ms",
-        )}}  # fmt: skip
+        return {
+            "ready_s": ready_s,
+            **{
+                k: summary[k]
+                for k in (
+                    "num_completed",
+                    "num_errors",
+                    "errors",
+                    "output_throughput",
+                    "ttft_ms",
+                    "itl_ms",
+                )
+            },
+        }
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -273,10 +310,13 @@ def markdown(doc: dict) -> str:
         lines.append(f"| greedy tokens equal (single stream) | {doc['greedy_match']:.0%} | |")
     if "serve" in doc:
         serve = doc["serve"]
-        lines += ["", f"`nanoserve serve`, {SERVE_CLIENTS} streaming clients: "
-                  f"{serve['output_throughput']:,.0f} output tok/s, TTFT p50 "
-                  f"{serve['ttft_ms']['p50']:.1f} ms, {serve['num_errors']} errors, "
-                  f"ready in {serve['ready_s']:.1f} s"]  # fmt: skip
+        lines += [
+            "",
+            f"`nanoserve serve`, {SERVE_CLIENTS} streaming clients: "
+            f"{serve['output_throughput']:,.0f} output tok/s, TTFT p50 "
+            f"{serve['ttft_ms']['p50']:.1f} ms, {serve['num_errors']} errors, "
+            f"ready in {serve['ready_s']:.1f} s",
+        ]
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     lines += [
         f"| {goal} | {measured} | {'yes' if met else 'no'} |" for goal, measured, met in goals(doc)
@@ -310,11 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = make_dummy_checkpoint(args.model_dir / args.preset, args.preset, args.seed)
     on_cuda = device.type == "cuda"
     doc: dict = {
-        "date": datetime.date.today().isoformat(), "preset": args.preset,
+        "date": datetime.date.today().isoformat(),
+        "preset": args.preset,
         "device_name": torch.cuda.get_device_name() if on_cuda else platform.processor(),
-        "torch": torch.__version__, "bandwidth_gb_s": copy_bandwidth_gb_s(device),
+        "torch": torch.__version__,
+        "bandwidth_gb_s": copy_bandwidth_gb_s(device),
         "weight_bytes": decode_weight_bytes(model_dir),
-    }  # fmt: skip
+    }
     doc["bound_tok_s"] = doc["bandwidth_gb_s"] * 1e9 / doc["weight_bytes"]
     stages = [("nanoserve", bench_nanoserve), ("transformers", bench_transformers)]
     for name, stage in stages:

@@ -117,9 +117,19 @@ def _task_yamls(directory: Path) -> dict[str, str]:
 def start_server(model: Path, port: int, log_path: Path) -> subprocess.Popen:
     """`nanoserve serve` in float32 (the same arithmetic as the transformers side)."""
     argv = [
-        sys.executable, "-m", "nanoserve.cli.main", "serve", "--model", str(model), "--port",
-        str(port), "--dtype", "float32", "--served-model-name", "demo",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "nanoserve.cli.main",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "demo",
+    ]
     process = subprocess.Popen(argv, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -138,10 +148,21 @@ def start_server(model: Path, port: int, log_path: Path) -> subprocess.Popen:
 def run_lm_eval(python: str, model_args: list[str], tasks_dir: Path, output: Path) -> float:
     """One `lm-eval run`; returns its wall time in seconds."""
     argv = [
-        python, "-m", "lm_eval", "run", *model_args, "--tasks", *TASKS,
-        "--include_path", str(tasks_dir), "--log_samples", "--output_path", str(output),
-        "--device", "cpu",
-    ]  # fmt: skip
+        python,
+        "-m",
+        "lm_eval",
+        "run",
+        *model_args,
+        "--tasks",
+        *TASKS,
+        "--include_path",
+        str(tasks_dir),
+        "--log_samples",
+        "--output_path",
+        str(output),
+        "--device",
+        "cpu",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     print("$", " ".join(argv), flush=True)
     started = time.perf_counter()
@@ -220,27 +241,37 @@ def main() -> None:
     try:
         served = run_lm_eval(
             args.lm_eval_python,
-            ["--model", "local-completions", "--model_args",
-             f"model=demo,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={model},"
-             f"tokenizer_backend=huggingface,num_concurrent=2,max_retries=1,"
-             f"max_length={API_MAX_LENGTH}", *batch],
+            [
+                "--model",
+                "local-completions",
+                "--model_args",
+                f"model=demo,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={model},"
+                f"tokenizer_backend=huggingface,num_concurrent=2,max_retries=1,"
+                f"max_length={API_MAX_LENGTH}",
+                *batch,
+            ],
             tasks_dir,
             output / "nanoserve",
-        )  # fmt: skip
+        )
     finally:
         server.terminate()
         server.wait(timeout=60)
     in_process = run_lm_eval(
         args.lm_eval_python,
-        ["--model", "hf", "--model_args",
-         # logits_cache=False: with its cache of logits shared by requests of one context,
-         # lm-eval's hf model gave 22 of the 160 multiple-choice continuations values far
-         # (up to 159 nats) from transformers called directly on the same token ids.
-         f"pretrained={model},dtype=float32,max_length={HF_MAX_LENGTH},logits_cache=False",
-         "--batch_size", "1"],
+        [
+            "--model",
+            "hf",
+            "--model_args",
+            # logits_cache=False: with its cache of logits shared by requests of one context,
+            # lm-eval's hf model gave 22 of the 160 multiple-choice continuations values far
+            # (up to 159 nats) from transformers called directly on the same token ids.
+            f"pretrained={model},dtype=float32,max_length={HF_MAX_LENGTH},logits_cache=False",
+            "--batch_size",
+            "1",
+        ],
         tasks_dir,
         output / "transformers",
-    )  # fmt: skip
+    )
     table = compare(read_run(output / "nanoserve"), read_run(output / "transformers"))
     summary = [
         f"{time.strftime('%Y-%m-%d')}, {platform.platform()}, {os.cpu_count()} CPUs, "

@@ -134,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         "bf16": {"model": str(args.model)},
         "int8": {"model": str(args.model), "quantization": "int8"},
         "int8, bf16 LM head": {
-            "model": str(args.model), "quantization": "int8", "quantize_lm_head": False,
+            "model": str(args.model),
+            "quantization": "int8",
+            "quantize_lm_head": False,
         },
         "FP8 round trip": {"model": str(fp8_dir)},
-    }  # fmt: skip
+    }
     rows, reference = [], None
     for name, settings in variants.items():
         started = time.perf_counter()
@@ -147,22 +149,37 @@ def main(argv: list[str] | None = None) -> int:
         reference = reference or tokens
         share, first = agreement(tokens, reference)
         stepped = bits_per_byte(engine, tokenizer, chunks, DECODE_STEP)
-        rows.append({"variant": name, "bpb": bpb, "bpb_decode_steps": stepped,
-                     "greedy_agreement": share, "first_diff": first,
-                     "seconds": time.perf_counter() - started})  # fmt: skip
-        print(f"{name}: {bpb:.4f} bits/byte ({stepped:.4f} in {DECODE_STEP}-token steps), "
-              f"greedy {share:.1%} (first difference at {first})")  # fmt: skip
+        rows.append(
+            {
+                "variant": name,
+                "bpb": bpb,
+                "bpb_decode_steps": stepped,
+                "greedy_agreement": share,
+                "first_diff": first,
+                "seconds": time.perf_counter() - started,
+            }
+        )
+        print(
+            f"{name}: {bpb:.4f} bits/byte ({stepped:.4f} in {DECODE_STEP}-token steps), "
+            f"greedy {share:.1%} (first difference at {first})"
+        )
     base = rows[0]["bpb"]
-    print(f"\n{len(chunks)} windows of {args.window} tokens; {args.greedy_tokens} greedy tokens "
-          f"x {len(PROMPTS)} prompts\n")  # fmt: skip
+    print(
+        f"\n{len(chunks)} windows of {args.window} tokens; {args.greedy_tokens} greedy tokens "
+        f"x {len(PROMPTS)} prompts\n"
+    )
     stepped_base = rows[0]["bpb_decode_steps"]
-    print(f"| variant | held-out bits/byte | vs bf16 | in {DECODE_STEP}-token steps | vs bf16 "
-          "| greedy tokens equal to bf16 | first diff |")  # fmt: skip
+    print(
+        f"| variant | held-out bits/byte | vs bf16 | in {DECODE_STEP}-token steps | vs bf16 "
+        "| greedy tokens equal to bf16 | first diff |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['variant']} | {row['bpb']:.4f} | {row['bpb'] / base - 1:+.2%} | "
-              f"{row['bpb_decode_steps']:.4f} | {row['bpb_decode_steps'] / stepped_base - 1:+.2%} "
-              f"| {row['greedy_agreement']:.1%} | {row['first_diff']} |")  # fmt: skip
+        print(
+            f"| {row['variant']} | {row['bpb']:.4f} | {row['bpb'] / base - 1:+.2%} | "
+            f"{row['bpb_decode_steps']:.4f} | {row['bpb_decode_steps'] / stepped_base - 1:+.2%} "
+            f"| {row['greedy_agreement']:.1%} | {row['first_diff']} |"
+        )
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "quantization_quality.json").write_text(json.dumps(rows, indent=1))
     return 0

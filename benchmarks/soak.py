@@ -197,9 +197,11 @@ def summarize(samples: list[dict], counts: Counter, args: argparse.Namespace) ->
         key = f"{name}_rss_mb"
         growth = (end[key] - start[key]) / start[key] * 100
         summary[name] = {
-            "rss_mb_start": start[key], "rss_mb_middle": middle[key], "rss_mb_end": end[key],
+            "rss_mb_start": start[key],
+            "rss_mb_middle": middle[key],
+            "rss_mb_end": end[key],
             "growth_after_warmup_pct": round(growth, 1),
-        }  # fmt: skip
+        }
     return summary
 
 

@@ -82,17 +82,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|")
     for num_tokens, cost in communication_cost(args.preset).items():
-        print(f"| {num_tokens} | {cost['all_reduce_ms']:.3f} | {cost['all_reduces_per_step']} | "
-              f"{cost['step_ms']:.2f} |")  # fmt: skip
-    serve = f"{sys.executable} -m nanoserve.cli.main serve --model {{model}} --port {{port}} " \
-        "--max-model-len 2048"  # fmt: skip
+        print(
+            f"| {num_tokens} | {cost['all_reduce_ms']:.3f} | {cost['all_reduces_per_step']} | "
+            f"{cost['step_ms']:.2f} |"
+        )
+    serve = (
+        f"{sys.executable} -m nanoserve.cli.main serve --model {{model}} --port {{port}} "
+        "--max-model-len 2048"
+    )
     # Each arm's command sets its own threads (the harness's OMP_NUM_THREADS is overridden).
-    return bench_main([
-        "--workload", "scoreboard", "--preset", args.preset, "--rounds", str(args.rounds),
-        "--arm", f"cmd=tp1-2threads=OMP_NUM_THREADS=2 {serve}",
-        "--arm", f"cmd=tp2-1thread-each=OMP_NUM_THREADS=1 {serve} -tp 2",
-        "--baseline", "tp1-2threads",
-    ])  # fmt: skip
+    return bench_main(
+        [
+            "--workload",
+            "scoreboard",
+            "--preset",
+            args.preset,
+            "--rounds",
+            str(args.rounds),
+            "--arm",
+            f"cmd=tp1-2threads=OMP_NUM_THREADS=2 {serve}",
+            "--arm",
+            f"cmd=tp2-1thread-each=OMP_NUM_THREADS=1 {serve} -tp 2",
+            "--baseline",
+            "tp1-2threads",
+        ]
+    )
 
 
 if __name__ == "__main__":

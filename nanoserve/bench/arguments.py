@@ -102,26 +102,34 @@ def _add_load_arguments(p: argparse.ArgumentParser) -> None:
     load = p.add_argument_group("load")
     load.add_argument("--seed", type=int, default=0, help="seed of every random choice")
     load.add_argument(
-        "--threads", type=int, default=os.cpu_count(),
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
         help="compute threads per arm (default: every CPU, here %(default)s)",
-    )  # fmt: skip
+    )
     load.add_argument("--num-warmup", type=int, default=2, help="uncounted requests per workload")
     load.add_argument(
-        "--request-rate", type=float, default=math.inf,
+        "--request-rate",
+        type=float,
+        default=math.inf,
         help="requests per second, Poisson arrivals; inf sends all at once",
-    )  # fmt: skip
+    )
     load.add_argument("--max-concurrency", type=int, default=1, help="shared-prefix concurrency")
     load.add_argument(
         "--request-timeout-s", type=float, default=600.0, help="seconds one request may take"
     )
     load.add_argument(
-        "--startup-timeout-s", type=float, default=900.0,
+        "--startup-timeout-s",
+        type=float,
+        default=900.0,
         help="seconds a server the benchmark starts may take to answer /health (loading a model)",
-    )  # fmt: skip
+    )
     load.add_argument(
-        "--url-timeout-s", type=float, default=30.0,
+        "--url-timeout-s",
+        type=float,
+        default=30.0,
         help="seconds a url= arm (already running) may take to answer /health or /v1/models",
-    )  # fmt: skip
+    )
     load.add_argument(
         "--rounds",
         type=int,
@@ -183,7 +191,9 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="OMP_WAIT_POLICY for every arm (default: each server's own choice)",
     )
     servers.add_argument(
-        "--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
+        "--vllm-venv",
+        type=Path,
+        default=DEFAULT_VLLM_VENV,
         help="the vLLM arm's virtual environment, built there on first use",
-    )  # fmt: skip
+    )
     servers.add_argument("--vllm-args", default="", help="extra arguments for vLLM (one string)")

@@ -61,24 +61,30 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "Python code)",
     )
     parser.add_argument(
-        "--dtype", default=config_default(EngineConfig, "dtype"), choices=["auto", *DTYPES],
+        "--dtype",
+        default=config_default(EngineConfig, "dtype"),
+        choices=["auto", *DTYPES],
         help="weight and activation dtype (auto: the checkpoint's, except that a float32 "
         "checkpoint runs in bfloat16 where the device has bf16, as vLLM does, and a float16 one "
         "in bfloat16 on CPU; an explicit float16 stays float16, slow on CPU)",
-    )  # fmt: skip
+    )
     add_hub_flags(parser)
     parser.add_argument(
         "--device", default=config_default(EngineConfig, "device"), help="auto, cpu, cuda or cuda:N"
     )
     parser.add_argument(
-        "--load-format", default=config_default(EngineConfig, "load_format"), choices=LOAD_FORMATS,
+        "--load-format",
+        default=config_default(EngineConfig, "load_format"),
+        choices=LOAD_FORMATS,
         help="auto or safetensors: the checkpoint's *.safetensors weights; dummy: random weights "
         "from the config (benchmarks)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--seed", type=int, default=config_default(EngineConfig, "seed"),
+        "--seed",
+        type=int,
+        default=config_default(EngineConfig, "seed"),
         help="seed of the engine's random state",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--chat-template",
         help="a chat template (a Jinja string or a .jinja file) to use instead of the "
@@ -113,9 +119,11 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
         help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=config_default(EngineConfig, "max_num_seqs"),
+        "--max-num-seqs",
+        type=int,
+        default=config_default(EngineConfig, "max_num_seqs"),
         help="most requests in one running batch",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -128,14 +136,17 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
         "--max-model-len tokens need, at most 2 GiB; on CUDA --gpu-memory-utilization decides)",
     )
     parser.add_argument(
-        "--gpu-memory-utilization", type=float,
+        "--gpu-memory-utilization",
+        type=float,
         default=config_default(EngineConfig, "gpu_memory_utilization"),
         help="on CUDA: fraction of GPU memory for weights + KV cache",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--block-size", type=int, default=config_default(EngineConfig, "block_size"),
+        "--block-size",
+        type=int,
+        default=config_default(EngineConfig, "block_size"),
         help="tokens per KV-cache block (a power of two)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--no-enable-prefix-caching",
         dest="enable_prefix_caching",
@@ -297,8 +308,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if server_config.default_sampling:
         logger.warning(
             "sampling fields a request leaves unset take the model's generation config: %s "
-            "(--generation-config vllm turns this off)", dict(server_config.default_sampling)
-        )  # fmt: skip
+            "(--generation-config vllm turns this off)",
+            dict(server_config.default_sampling),
+        )
     try:
         from nanoserve.common.checkpoint import resolve_tokenizer
         from nanoserve.text.tokenizer import load_tokenizer

@@ -83,10 +83,11 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_limit_and_timeout_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--max-body-bytes", type=parse_bytes,
+        "--max-body-bytes",
+        type=parse_bytes,
         default=config_default(ServerConfig, "max_body_bytes"),
         help="largest request body, e.g. 32MiB (413 beyond)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--max-prompt-chars",
         type=int,
@@ -96,18 +97,26 @@ def add_limit_and_timeout_flags(parser: argparse.ArgumentParser) -> None:
     for flag, field, what in (
         ("--header-timeout", "header_timeout_s", "a connection's request line and headers"),
         ("--body-timeout", "body_timeout_s", "a request's body, once its headers are in (408)"),
-        ("--send-timeout", "send_timeout_s", "a client that reads nothing while its send "
-         "buffer is full; then it is disconnected and its requests aborted"),
-    ):  # fmt: skip
+        (
+            "--send-timeout",
+            "send_timeout_s",
+            "a client that reads nothing while its send "
+            "buffer is full; then it is disconnected and its requests aborted",
+        ),
+    ):
         parser.add_argument(
-            flag, type=float, default=config_default(ServerConfig, field),
+            flag,
+            type=float,
+            default=config_default(ServerConfig, field),
             help=f"seconds allowed for {what}",
-        )  # fmt: skip
+        )
     parser.add_argument(
-        "--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT_S,
+        "--worker-timeout",
+        type=float,
+        default=DEFAULT_WORKER_TIMEOUT_S,
         help="seconds without a heartbeat from the model worker before it is deemed hung: "
         "in-flight requests end with an error and the worker is killed and restarted",
-    )  # fmt: skip
+    )
 
 
 def add_speed_flags(parser: argparse.ArgumentParser) -> None:
@@ -142,39 +151,50 @@ def add_speed_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--tensor-parallel-size", "-tp", type=int,
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
         default=config_default(EngineConfig, "tensor_parallel_size"),
-        help="split the model across this many worker processes (one per GPU on CUDA; gloo "
-        "on CPU)",
-    )  # fmt: skip
+        help="split the model across this many worker processes (one per GPU on CUDA; gloo on CPU)",
+    )
     parser.add_argument(
-        "--data-parallel-size", "-dp", type=int,
+        "--data-parallel-size",
+        "-dp",
+        type=int,
         default=config_default(EngineConfig, "data_parallel_size"),
         help="run this many independent engines (each with its own copy of the model and KV "
         "cache, each tensor parallel if asked) behind one front, on this machine",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--data-parallel-routing", choices=ROUTINGS, default="prefix",
+        "--data-parallel-routing",
+        choices=ROUTINGS,
+        default="prefix",
         help="how a request's engine is chosen: prefix (the engine that saw the prompt's "
         "longest prefix, unless it is much busier; else the least loaded), least-loaded, or "
         "round-robin",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--nnodes", type=int, default=config_default(EngineConfig, "nnodes"),
+        "--nnodes",
+        type=int,
+        default=config_default(EngineConfig, "nnodes"),
         help="machines the tensor-parallel ranks run on (each runs tp / nnodes of them)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--node-rank", type=int, default=config_default(EngineConfig, "node_rank"),
+        "--node-rank",
+        type=int,
+        default=config_default(EngineConfig, "node_rank"),
         help="this machine's index; node 0 serves HTTP, the others run with --headless",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--master-addr", default=config_default(EngineConfig, "master_addr"),
+        "--master-addr",
+        default=config_default(EngineConfig, "master_addr"),
         help="node 0's address, where the ranks meet",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--master-port", type=int,
+        "--master-port",
+        type=int,
         help="the port the ranks meet on (required with --nnodes > 1; default: a free port)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--headless",
         action="store_true",

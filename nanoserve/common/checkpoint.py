@@ -346,9 +346,15 @@ def _token_ids(value: int | list[int] | None) -> list[int]:
 # generation_config.json fields that become default sampling parameters, as vLLM takes them
 # (`--generation-config auto`); HF's max_new_tokens is our max_tokens.
 GENERATION_DEFAULT_FIELDS = (
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
-    "top_p", "min_p", "max_new_tokens",
-)  # fmt: skip
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
 
 
 def load_generation_defaults(config_dir: Path) -> dict[str, Any]:

@@ -134,9 +134,12 @@ def test_generation_defaults_are_the_sampling_fields_of_generation_config(checkp
     }
     (model_dir / "generation_config.json").write_text(json.dumps(config))
     assert load_generation_defaults(model_dir) == {
-        "temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.3,
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+        "repetition_penalty": 1.3,
         "max_tokens": 7,  # HF's max_new_tokens
-    }  # fmt: skip
+    }
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
     with pytest.raises(ValueError, match="temperature must be a number"):
         load_generation_defaults(model_dir)

@@ -104,11 +104,13 @@ def test_fp8_matmuls_on_cuda_follow_the_dequantized_model(fp8_checkpoint):
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     prompts = [[5, 17, 99], [250, 42, 7, 8, 9]]
     fp8_llm = LLM(str(fp8_dir), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2)
-    methods = {type(m.method).__name__ for m in fp8_llm.engine.model.modules()
-               if hasattr(m, "method")}  # fmt: skip
+    methods = {
+        type(m.method).__name__ for m in fp8_llm.engine.model.modules() if hasattr(m, "method")
+    }
     assert "Fp8LinearMethod" in methods
-    plain_llm = LLM(str(dequantized_dir), dtype="bfloat16", device="cuda",
-                    gpu_memory_utilization=0.2)  # fmt: skip
+    plain_llm = LLM(
+        str(dequantized_dir), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2
+    )
     ours = [o.outputs[0].token_ids for o in fp8_llm.generate(prompts, params)]
     reference = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
     agree = sum(

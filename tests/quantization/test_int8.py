@@ -61,8 +61,13 @@ def test_engine_quantizes_every_linear_and_keeps_the_lm_head_when_asked(checkpoi
     llm = LLM(str(checkpoint), dtype="bfloat16", max_model_len=128, quantization="int8")
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert all(isinstance(m.method, Int8LinearMethod) for m in linears)
-    kept = LLM(str(checkpoint), dtype="bfloat16", max_model_len=128, quantization="int8",
-               quantize_lm_head=False)  # fmt: skip
+    kept = LLM(
+        str(checkpoint),
+        dtype="bfloat16",
+        max_model_len=128,
+        quantization="int8",
+        quantize_lm_head=False,
+    )
     model = kept.engine.model
     assert isinstance(model.lm_head.method, PackedLinearMethod)  # bf16, packed for oneDNN
     assert isinstance(model.model.layers[0].mlp.down_proj.method, Int8LinearMethod)

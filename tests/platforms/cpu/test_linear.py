@@ -107,8 +107,7 @@ def test_engine_packs_bf16_weights_and_generates_the_same_tokens(
 
     monkeypatch.setattr(cpu_linear, "can_pack", lambda weight: False)
     plain_llm = LLM(checkpoint, dtype="bfloat16")
-    assert all(m.method is DENSE for m in plain_llm.engine.model.modules()
-               if isinstance(m, Linear))  # fmt: skip
+    assert all(m.method is DENSE for m in plain_llm.engine.model.modules() if isinstance(m, Linear))
     assert [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)] == packed
 
 
@@ -129,9 +128,7 @@ def test_engine_decodes_through_the_gemv_and_keeps_the_plain_weights(tmp_path):
 def test_compiled_decode_keeps_the_plain_weight_for_one_token_steps(tmp_path):
     checkpoint = make_tiny_checkpoint(tmp_path, "llama")
     llm = LLM(checkpoint, dtype="bfloat16", compile_decode=True)  # compiles in warm-up
-    linears = [
-        m for m in llm.engine.model.modules() if isinstance(m, Linear)
-    ]  # fmt: skip
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert all(m.packed_weight is not None and m.weight is not None for m in linears)
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
     for batch in ([[1, 2, 3]], [[1, 2, 3], [4, 5], [6] * 9]):  # one-token and batched decode

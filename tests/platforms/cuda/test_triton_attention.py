@@ -85,9 +85,16 @@ def check_prefill(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype
     )
     out = torch.full_like(query, float("nan"))
     got = ragged_prefill_attention(
-        query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        0.125, max(query_lens), out,
-    )  # fmt: skip
+        query,
+        k_cache,
+        v_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        0.125,
+        max(query_lens),
+        out,
+    )
     assert_matches_eager(got, query, k_cache, v_cache, meta, 0.125)
 
 

@@ -40,8 +40,12 @@ def _decode_split_kernel(
     partial_max_ptr,  # [B, H, S] float32
     partial_sum_ptr,  # [B, H, S] float32
     scale,
-    q_stride_b, q_stride_h, table_stride_b,
-    cache_stride_block, cache_stride_token, cache_stride_head,
+    q_stride_b,
+    q_stride_h,
+    table_stride_b,
+    cache_stride_block,
+    cache_stride_token,
+    cache_stride_head,
     blocks_per_split,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of two ≥ 16 (tl.dot's minimum)
@@ -50,7 +54,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     NUM_SPLITS: tl.constexpr,
     FP32_PRODUCTS: tl.constexpr,  # exact float32 tile products (see fp32_products)
-):  # fmt: skip
+):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,10 +75,17 @@ def _decode_split_kernel(
     for block in range(first_block, last_block):
         block_id = tl.load(block_tables_ptr + request * table_stride_b + block)
         k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, tl.zeros([BLOCK_SIZE], tl.int64) + block_id, t, kv_head, d,
+            k_cache_ptr,
+            v_cache_ptr,
+            tl.zeros([BLOCK_SIZE], tl.int64) + block_id,
+            t,
+            kv_head,
+            d,
             tl.broadcast_to(d_mask[None, :], (BLOCK_SIZE, BLOCK_D)),
-            cache_stride_block, cache_stride_token, cache_stride_head,
-        )  # fmt: skip
+            cache_stride_block,
+            cache_stride_token,
+            cache_stride_head,
+        )
         visible = (block * BLOCK_SIZE + t)[None, :] < seq_len  # [1, BLOCK_SIZE]
         running_max, running_sum, acc = attend_tile(
             q, k, v, visible, scale, running_max, running_sum, acc, FP32_PRODUCTS
@@ -141,18 +152,40 @@ def paged_decode_attention(
     partial_sum = torch.empty_like(partial_max)
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_split_kernel[(num_requests, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens,
-        partial_out, partial_max, partial_sum, scale,
-        query.stride(0), query.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        partial_out,
+        partial_max,
+        partial_sum,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         triton.cdiv(max_blocks, num_splits),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
         FP32_PRODUCTS=fp32_products(query.dtype),
-    )  # fmt: skip
+    )
     out = torch.empty_like(query) if out is None else out
     _merge_splits_kernel[(num_requests, num_heads)](
-        partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-    )  # fmt: skip
+        partial_out,
+        partial_max,
+        partial_sum,
+        out,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+    )
     return out

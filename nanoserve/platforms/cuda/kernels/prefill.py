@@ -27,11 +27,21 @@ def _causal_tile(
     query_positions,  # [BLOCK_M]: each query's position in its sequence
     last_key,  # keys at positions < last_key may be seen by some query of the tile
     table,  # the request's block table
-    k_cache_ptr, v_cache_ptr, kv_head, d, d_mask, scale,
-    cache_stride_block, cache_stride_token, cache_stride_head,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, FP32_PRODUCTS: tl.constexpr,
-):  # fmt: skip
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    d,
+    d_mask,
+    scale,
+    cache_stride_block,
+    cache_stride_token,
+    cache_stride_head,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP32_PRODUCTS: tl.constexpr,
+):
     """Causal attention of a tile of queries over keys [0, last_key): [BLOCK_M, BLOCK_D]."""
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -41,10 +51,17 @@ def _causal_tile(
         n_mask = n < last_key
         block_ids = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0)
         k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block_ids, n % BLOCK_SIZE, kv_head, d,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_ids,
+            n % BLOCK_SIZE,
+            kv_head,
+            d,
             n_mask[:, None] & d_mask[None, :],
-            cache_stride_block, cache_stride_token, cache_stride_head,
-        )  # fmt: skip
+            cache_stride_block,
+            cache_stride_token,
+            cache_stride_head,
+        )
         visible = (n[None, :] <= query_positions[:, None]) & n_mask[None, :]
         running_max, running_sum, acc = attend_tile(
             q, k, v, visible, scale, running_max, running_sum, acc, FP32_PRODUCTS
@@ -97,10 +114,25 @@ def _prefill_kernel(
         table = block_tables_ptr + request * table_stride_b
         last_key = tl.minimum(context_len + (tile + 1) * BLOCK_M, seq_len)  # causal limit
         out = _causal_tile(
-            q, context_len + m, last_key, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_mask,
-            scale, cache_stride_block, cache_stride_token, cache_stride_head,
-            BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, FP32_PRODUCTS,
-        )  # fmt: skip
+            q,
+            context_len + m,
+            last_key,
+            table,
+            k_cache_ptr,
+            v_cache_ptr,
+            kv_head,
+            d,
+            d_mask,
+            scale,
+            cache_stride_block,
+            cache_stride_token,
+            cache_stride_head,
+            BLOCK_SIZE,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            FP32_PRODUCTS,
+        )
         out_offsets = (query_start + m)[:, None] * out_stride_t + head * out_stride_h + d[None, :]
         tl.store(
             out_ptr + out_offsets,
@@ -128,11 +160,28 @@ def ragged_prefill_attention(
     out = torch.empty_like(query) if out is None else out
     grid = (triton.cdiv(max_query_len, BLOCK_M), num_requests, num_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP32_PRODUCTS=fp32_products(query.dtype),
-    )  # fmt: skip
+        query,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        FP32_PRODUCTS=fp32_products(query.dtype),
+    )
     return out
