@@ -55,29 +55,24 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     FP32_PRODUCTS: tl.constexpr,  # exact float32 tile products (see fp32_products)
 ):
-    request = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + request)
-    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
     first_block = split * blocks_per_split
-    last_block = tl.minimum(first_block + blocks_per_split, num_blocks)
-
+    last_block = tl.minimum(first_block + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
     g, d, t = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_SIZE)
     heads = kv_head * GROUP + g  # [BLOCK_G]: the query heads of this KV head
     g_mask, d_mask = g < GROUP, d < HEAD_DIM
+    mask = g_mask[:, None] & d_mask[None, :]  # [BLOCK_G, BLOCK_D]
     q_offsets = request * q_stride_b + heads[:, None] * q_stride_h + d[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-
+    q = tl.load(q_ptr + q_offsets, mask=mask, other=0.0)
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    running_sum, acc = tl.zeros([BLOCK_G], tl.float32), tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + request * table_stride_b  # this request's block table
     for block in range(first_block, last_block):
-        block_id = tl.load(block_tables_ptr + request * table_stride_b + block)
         k, v = load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,
-            tl.zeros([BLOCK_SIZE], tl.int64) + block_id,
+            tl.zeros([BLOCK_SIZE], tl.int64) + tl.load(table + block),  # the block's id
             t,
             kv_head,
             d,
@@ -90,12 +85,10 @@ def _decode_split_kernel(
         running_max, running_sum, acc = attend_tile(
             q, k, v, visible, scale, running_max, running_sum, acc, FP32_PRODUCTS
         )
-
     partial = (request * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [BLOCK_G]
     tl.store(partial_max_ptr + partial, running_max, mask=g_mask)
     tl.store(partial_sum_ptr + partial, running_sum, mask=g_mask)
-    out_offsets = partial[:, None] * HEAD_DIM + d[None, :]
-    tl.store(partial_out_ptr + out_offsets, acc, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
 
 
 @triton.jit

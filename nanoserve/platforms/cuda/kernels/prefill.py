@@ -95,10 +95,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     FP32_PRODUCTS: tl.constexpr,  # exact float32 tile products (see fp32_products)
 ):
-    tile = tl.program_id(0)
-    request = tl.program_id(1)
-    head = tl.program_id(2)
-    kv_head = head // GROUP
+    tile, request, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query_start = tl.load(query_start_loc_ptr + request)
     query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
     if tile * BLOCK_M < query_len:
@@ -106,23 +103,20 @@ def _prefill_kernel(
         context_len = seq_len - query_len  # keys cached before this step
         m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the request
         d = tl.arange(0, BLOCK_D)
-        m_mask = m < query_len
-        d_mask = d < HEAD_DIM
+        mask = (m < query_len)[:, None] & (d < HEAD_DIM)[None, :]  # [BLOCK_M, BLOCK_D]
         q_offsets = (query_start + m)[:, None] * q_stride_t + head * q_stride_h + d[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-
-        table = block_tables_ptr + request * table_stride_b
+        q = tl.load(q_ptr + q_offsets, mask=mask, other=0.0)
         last_key = tl.minimum(context_len + (tile + 1) * BLOCK_M, seq_len)  # causal limit
         out = _causal_tile(
             q,
             context_len + m,
             last_key,
-            table,
+            block_tables_ptr + request * table_stride_b,  # this request's block table
             k_cache_ptr,
             v_cache_ptr,
-            kv_head,
+            head // GROUP,  # its KV head
             d,
-            d_mask,
+            d < HEAD_DIM,
             scale,
             cache_stride_block,
             cache_stride_token,
@@ -134,11 +128,7 @@ def _prefill_kernel(
             FP32_PRODUCTS,
         )
         out_offsets = (query_start + m)[:, None] * out_stride_t + head * out_stride_h + d[None, :]
-        tl.store(
-            out_ptr + out_offsets,
-            out.to(out_ptr.dtype.element_ty),
-            mask=m_mask[:, None] & d_mask[None, :],
-        )
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def ragged_prefill_attention(
