@@ -1,0 +1,1 @@
+"""The core: a whole engine on its own, the portable path (docs/architecture.md, in order)."""

@@ -1,6 +1,9 @@
 """Structured output in the worker: per-request grammar matchers and the token masks they give.
 
-`grammar.py` holds one request's matcher (advanced with each accepted token); `manager.py`
-builds matchers off the step loop, fills one bitmask per step for the constrained rows and
-applies it to the logits before sampling.
+    grammars.py   a constraint (JSON schema, regex, choice, grammar) as an llguidance grammar
+    grammar.py    one request's matcher, advanced with each accepted token
+    manager.py    the grammar backend: matchers compiled off the step loop (once per constraint),
+                  one bitmask per step for the constrained rows, filled while the model runs
+
+It enters the core as its grammar backend (`core/grammar.py`); the sampler adds the masks.
 """

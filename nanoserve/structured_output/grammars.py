@@ -1,10 +1,10 @@
-"""Structured-output constraints as llguidance grammars (torch-free: the front checks them too).
+"""Structured-output constraints as llguidance grammars.
 
-A request's `StructuredOutputsParams` becomes one llguidance grammar here, in both processes:
-the front calls `check_constraint` so that a bad schema, regex or grammar is a 400 before
-anything reaches the worker; the worker (`nanoserve.structured_output`) builds its token
-matcher from `grammar_for`. llguidance was chosen over xgrammar by measurement (see
-benchmarks/RESULTS.md); it also imports without torch, which is what lets the front validate.
+A request's `StructuredOutputsParams` becomes one llguidance grammar here, in the worker only
+(`manager.py` builds the request's token matcher from `grammar_for`, once per constraint): a
+bad schema, regex or grammar fails there, and the front answers 400 with the message. The front
+never runs the grammar engine. llguidance was chosen over xgrammar by measurement (see
+benchmarks/RESULTS.md).
 
 JSON is written without free whitespace, with json.dumps' separators (`{"a": 1, "b": [2]}`):
 a model cannot wander in whitespace, and what it writes reads like OpenAI's JSON.
@@ -31,7 +31,7 @@ ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def grammar_for(constraint: StructuredOutputsParams) -> str:
-    """The llguidance grammar of `constraint` (not yet validated: see `check_constraint`)."""
+    """The llguidance grammar of `constraint` (validated as the matcher is built from it)."""
     kind = constraint.kind
     try:
         if kind == "json" or kind == "json_object":
@@ -48,12 +48,3 @@ def grammar_for(constraint: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", constraint.grammar)
     except (ValueError, TypeError) as e:
         raise ValueError(f"invalid structured output {kind}: {e}") from None
-
-
-def check_constraint(constraint: StructuredOutputsParams) -> str:
-    """Compile and validate `constraint`; returns its grammar, raises ValueError if invalid."""
-    grammar = grammar_for(constraint)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise ValueError(f"invalid structured output {constraint.kind}: {messages[0]}")
-    return grammar

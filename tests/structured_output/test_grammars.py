@@ -1,12 +1,27 @@
-"""Constraints → llguidance grammars, checked in the front before anything reaches the worker."""
+"""Constraints → llguidance grammars, compiled in the worker (the grammar backend's matchers)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
+from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.sampling_params import SamplingParams, StructuredOutputsParams
-from nanoserve.structured_output.grammars import check_constraint
+from nanoserve.structured_output.manager import StructuredOutputManager
+
+
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory: pytest.TempPathFactory) -> StructuredOutputManager:
+    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3")
+    return StructuredOutputManager(Path(checkpoint), 320, frozenset({258}))
+
+
+def check_constraint(manager: StructuredOutputManager, constraint: StructuredOutputsParams):
+    """The request's grammar, as the worker builds it (ValueError if it cannot be)."""
+    return manager.compile(constraint).result(timeout=60)
+
 
 VALID = [
     StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
@@ -20,8 +35,8 @@ VALID = [
 
 
 @pytest.mark.parametrize("constraint", VALID, ids=lambda c: c.kind)
-def test_valid_constraints_compile(constraint: StructuredOutputsParams) -> None:
-    assert check_constraint(constraint)  # a non-empty grammar
+def test_valid_constraints_compile(manager, constraint: StructuredOutputsParams) -> None:
+    assert not check_constraint(manager, constraint).is_terminated
 
 
 @pytest.mark.parametrize(
@@ -35,10 +50,10 @@ def test_valid_constraints_compile(constraint: StructuredOutputsParams) -> None:
     ],
 )
 def test_invalid_constraints_say_what_is_wrong(
-    constraint: StructuredOutputsParams, message: str
+    manager, constraint: StructuredOutputsParams, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        check_constraint(constraint)
+        check_constraint(manager, constraint)
 
 
 @pytest.mark.parametrize(
@@ -68,6 +83,8 @@ def test_the_constraint_crosses_the_wire() -> None:
     ],
     ids=["file-ref", "url-ref", "lark-import"],
 )
-def test_a_constraint_cannot_name_a_file_or_a_url(constraint: StructuredOutputsParams) -> None:
+def test_a_constraint_cannot_name_a_file_or_a_url(
+    manager, constraint: StructuredOutputsParams
+) -> None:
     with pytest.raises(ValueError, match="invalid structured output"):
-        check_constraint(constraint)
+        check_constraint(manager, constraint)

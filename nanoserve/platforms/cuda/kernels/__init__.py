@@ -1,4 +1,4 @@
-"""Triton kernels of the CUDA attention backend (`attention/triton.py`).
+"""Triton kernels of the CUDA attention backend (`platforms/cuda/attention.py`).
 
     store_kv.py   write each token's K and V into its slot of the paged cache
     decode.py     one query per request over its paged context, split along the context
@@ -8,7 +8,7 @@
 
 Every kernel reads the cache through block tables, in the layout the scheduler and the prefix
 cache use: [num_blocks, block_size, num_kv_heads, head_dim]. The tests run them on CPU tensors
-under TRITON_INTERPRET=1 against the eager backend.
+under TRITON_INTERPRET=1 against the reference backend.
 """
 
 import os
