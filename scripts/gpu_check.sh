@@ -12,7 +12,8 @@
 # size, FP8), then benchmarks/gpu_bench.py (Qwen3-1.7B shape beside transformers, then
 # `nanoserve serve` with 32 streaming clients). Results: gpu-<date>.json and gpu-table.md in $OUT
 # (default ./gpu-results); copy them to benchmarks/results/ and the table to benchmarks/RESULTS.md.
-# Exits non-zero when the tests or the benchmark fail.
+# Exits non-zero when the tests or the benchmark fail, or outlast GPU_TESTS_TIMEOUT_S (default 210)
+# or GPU_BENCH_TIMEOUT_S (default 250) seconds.
 #
 # CI rehearses it on CPU after the tests (scripts/gpu_check_rehearsal.sh: a virtual environment
 # holding only what the GPU machine has, WHEELS=<wheels for its Python>, GPU_BENCH_ARGS="--preset
@@ -41,7 +42,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 # kernels are off: these tests don't use them, and a compiler there would spend a minute.
 mapfile -t gpu_test_files < <(grep -rlE --include='test_*.py' 'mark\.gpu\b' tests | sort)
 started=$SECONDS
-NANOSERVE_CPU_KERNELS=0 timeout 210 python3 -m pytest "${gpu_test_files[@]}" -m gpu -q \
+NANOSERVE_CPU_KERNELS=0 timeout "${GPU_TESTS_TIMEOUT_S:-210}" python3 -m pytest "${gpu_test_files[@]}" -m gpu -q \
   -p no:cacheprovider > "$out/gpu-tests.log" 2>&1
 tests_status=$?
 echo "gpu tests: exit code $tests_status, $((SECONDS - started)) s"
@@ -49,9 +50,13 @@ tail -3 "$out/gpu-tests.log"
 
 started=$SECONDS
 # shellcheck disable=SC2086  # GPU_BENCH_ARGS is a list of flags
-timeout 250 python3 -m benchmarks.gpu_bench --out "$out" ${GPU_BENCH_ARGS:-} 2> "$out/gpu-bench.log"
+timeout "${GPU_BENCH_TIMEOUT_S:-250}" python3 -m benchmarks.gpu_bench --out "$out" ${GPU_BENCH_ARGS:-} \
+  2> "$out/gpu-bench.log"
 bench_status=$?
 echo "gpu benchmark: exit code $bench_status, $((SECONDS - started)) s"
 tail -5 "$out/gpu-bench.log"
+if [ "$bench_status" -ne 0 ] && [ -f "$out/gpu-serve.log" ]; then
+  tail -5 "$out/gpu-serve.log" # the server's last words, if it was the stage that failed
+fi
 
 [ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]

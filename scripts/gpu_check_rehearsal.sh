@@ -34,7 +34,9 @@ echo "GPU check rehearsal: a new environment with ${image_pins[*]}"
 "$work/venv/bin/python" -m pip download -q --only-binary=:all: -d "$work/wheels" \
   "${carried_wheels[@]}"
 
-# gpu_check.sh runs python3: the new environment's, first on PATH.
+# gpu_check.sh runs python3: the new environment's, first on PATH. Its time limits are the GPU
+# machine's; the tiny preset on 2 busy CPU cores takes 3-5 minutes, so it gets 10 (a limit that
+# means stuck, not slow).
 PATH="$work/venv/bin:$PATH" WHEELS="$work/wheels" OUT="$work/out" \
   GPU_BENCH_ARGS="--preset tiny --device cpu --model-dir $work/model" \
-  bash scripts/gpu_check.sh
+  GPU_TESTS_TIMEOUT_S=600 GPU_BENCH_TIMEOUT_S=600 bash scripts/gpu_check.sh
