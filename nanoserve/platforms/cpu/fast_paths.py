@@ -3,16 +3,22 @@
     linear methods   bf16 weights packed once for oneDNN, decode steps by our GEMV (`linear.py`)
     layer ops        fused RMSNorm, RoPE and SwiGLU kernels (`fused_ops.py`)
     attention        the reference backend with our paged-decode kernel (`attention.py`)
-    step runners     with `--compile`, decode steps under torch.compile (`compiled.py`)
+    step runners     with `--compile`, decode steps under torch.compile (`compiled.py`); every
+                     step at the thread count its timing picks (`threads.py`)
 
-Each needs the C++ kernels (`kernels.py`) but the packing: without them (no compiler, or
-NANOSERVE_CPU_KERNELS=0) the portable ops and the reference backend run. `--enforce-eager`
-turns the compiled path off.
+Each needs the C++ kernels (`kernels.py`) but the packing and the thread count: without them (no
+compiler, or NANOSERVE_CPU_KERNELS=0) the portable ops and the reference backend run.
+`--enforce-eager` turns the compiled path off. The thread count adapts unless
+NANOSERVE_ADAPTIVE_THREADS=0 or `--compile` (inductor fixes its kernels' count when it compiles
+them): the worker's count (OMP_NUM_THREADS, or the front's choice) is then the most it uses.
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
+
+import torch
 
 from nanoserve.common.config import EngineConfig, SchedulerConfig
 from nanoserve.core.attention.layer import AttentionBackend
@@ -26,6 +32,7 @@ from nanoserve.platforms.cpu.compiled import CompiledCpuAttention, CompiledDecod
 from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import install_packed_linears
+from nanoserve.platforms.cpu.threads import GovernedRunner, ThreadGovernor
 
 
 class CpuPaths:
@@ -50,12 +57,17 @@ class CpuPaths:
     def step_runners(
         self, model: CausalLM, eager: StepRunner, limits: SchedulerConfig
     ) -> list[StepRunner]:
-        if not self.compiled:
-            return [eager]
-        assert isinstance(eager, EagerStepRunner)
-        compiled = CompiledDecodeRunner(eager)
-        compiled.compile_graphs()
-        return [compiled, eager]
+        runners = [eager]
+        if self.compiled:
+            assert isinstance(eager, EagerStepRunner)
+            compiled = CompiledDecodeRunner(eager)
+            compiled.compile_graphs()
+            runners = [compiled, eager]
+        max_threads = torch.get_num_threads()
+        is_off = os.environ.get("NANOSERVE_ADAPTIVE_THREADS", "1") == "0"
+        if max_threads == 1 or is_off or self.compiled:  # compiled kernels fix their count
+            return runners
+        return [GovernedRunner(runners, ThreadGovernor(max_threads))]
 
 
 def cpu_fast_paths(config: EngineConfig) -> FastPaths:

@@ -50,7 +50,8 @@ def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
             )
         )
         names = [runner.name for runner in engine.runner.step_runners]
-        assert names == (["eager"] if eager else ["compiled-decode", "eager"])
+        plain = [["eager"], ["adaptive-threads(eager)"]]  # one thread, or several
+        assert names in plain if eager else names == ["compiled-decode", "eager"]
         backend = CpuKernelAttention if eager else CompiledCpuAttention
         assert type(engine.kv_cache.backend) is backend
         tokens: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}

@@ -96,7 +96,8 @@ def test_cpu_engines_capture_no_graphs(tmp_path):
     engine = build_engine(
         EngineConfig(model=str(make_tiny_checkpoint(tmp_path)), device="cpu", max_model_len=64)
     )
-    assert [r.name for r in engine.runner.step_runners] == ["eager"]
+    names = [r.name for r in engine.runner.step_runners]
+    assert names in (["eager"], ["adaptive-threads(eager)"])  # one thread, or several
     assert engine.kv_cache.backend.name == "cpu"
 
 

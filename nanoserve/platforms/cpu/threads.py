@@ -1,0 +1,140 @@
+"""How many compute threads a CPU worker's steps use, chosen by timing them.
+
+A CPU worker starts with a thread per core it was given. When another process takes one of
+those cores, every op's OpenMP team waits at its barrier for the thread that has no core, over
+and over within one step: on a 2-core machine with one busy core, two threads decoded tens of
+times slower than one (benchmarks/RESULTS.md). The cores a worker can use change while it runs,
+so the count is measured, not guessed: `ThreadGovernor` times the decode steps and now and then
+runs a few of them at a neighbouring count, interleaved with the current one; the faster count
+wins. A probe starts at once when the current count's steps suddenly slow down (a process took
+a core), and otherwise at intervals that grow while the answer stays the same.
+
+`GovernedRunner` is the step runner that applies it: it sets the count (`torch.set_num_threads`,
+which the C++ kernels' OpenMP regions and oneDNN share) before each step and reports the step's
+time.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from nanoserve.core.model_runner import StepRunner
+from nanoserve.core.step_layout import StepLayout
+
+logger = logging.getLogger("nanoserve.threads")
+
+PROBE_STEPS = 3  # decode steps timed at each count in one probe (after one that warms it)
+FIRST_PROBE_AFTER_STEPS = 16
+MIN_PROBE_INTERVAL_S = 1.0
+MAX_PROBE_INTERVAL_S = 16.0
+SWITCH_MARGIN = 0.9  # another count must be this much faster (its median step time) to win
+SLOWDOWN_FACTOR = 2.0  # a current step this much slower than usual starts a probe at once
+BASELINE_STEPS = 8  # recent steps at the current count that make "usual"
+
+
+class ThreadGovernor:
+    """Picks the thread count of the next step from the times of the last ones (see above)."""
+
+    def __init__(self, max_threads: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_threads = max(1, max_threads)
+        self.threads = self.max_threads
+        self.clock = clock
+        self.interval_s = MIN_PROBE_INTERVAL_S
+        self.next_probe_at = float("inf")  # set after the first decode steps
+        self.num_decode_steps = 0
+        self.recent: list[float] = []  # seconds of the last decode steps at the current count
+        self.probe: list[int] = []  # the counts of the probe's remaining steps, in order
+        self.samples: dict[int, list[float]] = {}  # the probe's step times by count
+
+    def threads_for(self, layout: StepLayout) -> int:
+        """The count to run this step with."""
+        if self.probe and layout.is_decode_only:
+            return self.probe[0]
+        return self.threads
+
+    def observe(self, layout: StepLayout, threads: int, seconds: float) -> None:
+        """A step ran at `threads` in `seconds`; only decode steps are compared."""
+        if not layout.is_decode_only or self.max_threads == 1:
+            return
+        self.num_decode_steps += 1
+        if self.probe:
+            self._record_probe(threads, seconds)
+            return
+        is_slowdown = len(self.recent) >= BASELINE_STEPS and seconds > SLOWDOWN_FACTOR * (
+            statistics.median(self.recent)
+        )
+        self.recent = [*self.recent, seconds][-BASELINE_STEPS:]
+        if self.num_decode_steps == FIRST_PROBE_AFTER_STEPS:
+            self.next_probe_at = self.clock()
+        if is_slowdown or self.clock() >= self.next_probe_at:
+            self._start_probe(urgent=is_slowdown)
+
+    def _start_probe(self, urgent: bool) -> None:
+        """Interleave steps at the current count and at a neighbour; the first of each warms."""
+        neighbours = [n for n in (self.threads - 1, self.threads + 1) if 1 <= n <= self.max_threads]
+        other = neighbours[self.num_decode_steps % len(neighbours)]
+        self.probe = [self.threads, other] * (PROBE_STEPS + 1)
+        self.samples = {self.threads: [], other: []}
+        if urgent:
+            self.interval_s = MIN_PROBE_INTERVAL_S
+
+    def _record_probe(self, threads: int, seconds: float) -> None:
+        expected = self.probe.pop(0)
+        if threads == expected and len(self.probe) < 2 * PROBE_STEPS:  # past the warm-up pair
+            self.samples[threads].append(seconds)
+        if not self.probe:
+            self._decide()
+
+    def _decide(self) -> None:
+        current, other = self.samples
+        current_s = statistics.median(self.samples[current] or [float("inf")])
+        other_s = statistics.median(self.samples[other] or [float("inf")])
+        if other_s < SWITCH_MARGIN * current_s:
+            logger.info(
+                "compute threads %d -> %d (a decode step %.1f -> %.1f ms)",
+                current,
+                other,
+                current_s * 1e3,
+                other_s * 1e3,
+            )
+            self.threads, self.recent = other, []
+            self.interval_s = MIN_PROBE_INTERVAL_S  # look again soon: one more may be better
+        else:
+            self.interval_s = min(MAX_PROBE_INTERVAL_S, 2 * self.interval_s)
+        self.next_probe_at = self.clock() + self.interval_s
+
+
+class GovernedRunner(StepRunner):
+    """Runs each step with the governor's thread count, through the first of `runners` that
+    can run it, and tells the governor how long it took."""
+
+    name = "adaptive-threads"
+
+    def __init__(self, runners: list[StepRunner], governor: ThreadGovernor) -> None:
+        super().__init__(runners[-1].model)
+        self.runners = runners
+        self.governor = governor
+        self._current = runners[-1]
+        self.name = "adaptive-threads(" + ", ".join(r.name for r in runners) + ")"
+
+    def run(self, layout: StepLayout) -> torch.Tensor:  # [S + P, hidden]
+        threads = self.governor.threads_for(layout)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        self._current = next(r for r in self.runners if r.can_run(layout))
+        started = time.perf_counter()
+        hidden = self._current.run(layout)
+        self.governor.observe(layout, threads, time.perf_counter() - started)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._current.logits(hidden)
+
+    def close(self) -> None:
+        for runner in self.runners:
+            runner.close()

@@ -1,0 +1,118 @@
+"""The thread governor: it keeps the faster count, probes at once when steps slow down, backs
+off while the answer holds, and its runner sets the count before each step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.core.model_runner import StepRunner
+from nanoserve.core.step_layout import StepLayout
+from nanoserve.platforms.cpu import threads as governor_module
+from nanoserve.platforms.cpu.threads import (
+    FIRST_PROBE_AFTER_STEPS,
+    MAX_PROBE_INTERVAL_S,
+    GovernedRunner,
+    ThreadGovernor,
+)
+
+DECODE = StepLayout(input_ids=[1], positions=[5], query_lens=[1], seq_lens=[6], sample_rows=[0])
+PREFILL = StepLayout(input_ids=[1, 2, 3], positions=[0, 1, 2], query_lens=[3], seq_lens=[3])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_steps(governor: ThreadGovernor, clock: Clock, step_s: dict[int, float], num_steps: int):
+    """Decode steps whose time depends only on the thread count; returns the counts used."""
+    used = []
+    for _ in range(num_steps):
+        threads = governor.threads_for(DECODE)
+        used.append(threads)
+        clock.now += step_s[threads]
+        governor.observe(DECODE, threads, step_s[threads])
+    return used
+
+
+def test_a_busy_core_makes_it_drop_to_the_faster_count_and_a_free_one_brings_it_back():
+    clock = Clock()
+    governor = ThreadGovernor(2, clock)
+    run_steps(governor, clock, {1: 0.010, 2: 0.006}, 100)  # quiet: two threads are faster
+    assert governor.threads == 2
+    busy = {1: 0.011, 2: 0.200}  # a process took a core: the pair waits at every barrier
+    used = run_steps(governor, clock, busy, 30)
+    assert governor.threads == 1 and used[-10:] == [1] * 10
+    assert used.count(2) <= 12  # the slowdown started a probe at once, not after an interval
+    run_steps(governor, clock, {1: 0.010, 2: 0.006}, 2000)  # the core is free again
+    assert governor.threads == 2
+
+
+def test_a_stable_answer_is_probed_ever_less_often():
+    clock = Clock()
+    governor = ThreadGovernor(2, clock)
+    used = run_steps(governor, clock, {1: 0.020, 2: 0.010}, 20_000)  # 200 s of decoding
+    assert governor.interval_s == MAX_PROBE_INTERVAL_S
+    probe_steps = used.count(1)  # the only steps at one thread are probes
+    assert 0 < probe_steps < 0.01 * len(used)
+
+
+def test_one_thread_never_probes_and_prefill_steps_are_not_timed():
+    governor = ThreadGovernor(1, Clock())
+    for _ in range(3 * FIRST_PROBE_AFTER_STEPS):
+        governor.observe(DECODE, 1, 0.01)
+        assert governor.threads_for(DECODE) == 1
+    two = ThreadGovernor(2, Clock())
+    for _ in range(3 * FIRST_PROBE_AFTER_STEPS):
+        two.observe(PREFILL, 2, 1.0)
+    assert two.num_decode_steps == 0 and not two.probe
+
+
+class RecordingRunner(StepRunner):
+    name = "recording"
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Identity())
+        self.threads: list[int] = []
+
+    def run(self, layout: StepLayout) -> torch.Tensor:
+        self.threads.append(torch.get_num_threads())
+        return torch.zeros(len(layout.sample_rows), 4)
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_runner_sets_the_count_before_each_step(restore_threads, monkeypatch):
+    inner = RecordingRunner()
+    governor = ThreadGovernor(2, Clock())
+    runner = GovernedRunner([inner], governor)
+    monkeypatch.setattr(governor, "threads_for", lambda layout: 1)
+    runner.run(DECODE)
+    monkeypatch.setattr(governor, "threads_for", lambda layout: 2)
+    runner.run(DECODE)
+    assert inner.threads == [1, 2]
+    assert governor.num_decode_steps == 2  # each step's time reached the governor
+    assert runner.name == "adaptive-threads(recording)"
+
+
+def test_cpu_engines_adapt_unless_told_not_to(tmp_path, monkeypatch, restore_threads):
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    from nanoserve.common.config import EngineConfig
+    from nanoserve.engine_setup import build_engine
+
+    config = EngineConfig(model=str(make_tiny_checkpoint(tmp_path)), device="cpu")
+    torch.set_num_threads(2)
+    assert [r.name for r in build_engine(config).runner.step_runners] == ["adaptive-threads(eager)"]
+    monkeypatch.setenv("NANOSERVE_ADAPTIVE_THREADS", "0")
+    assert [r.name for r in build_engine(config).runner.step_runners] == ["eager"]
+    assert governor_module.PROBE_STEPS >= 2  # a probe's verdict is a median of several steps
