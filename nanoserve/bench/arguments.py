@@ -9,6 +9,7 @@ from pathlib import Path
 
 from nanoserve.bench import workloads
 from nanoserve.bench.arms import DEFAULT_VLLM_VENV
+from nanoserve.bench.background import parse_background_load
 from nanoserve.bench.models import PRESETS
 from nanoserve.cli.help_format import DefaultsHelpFormatter
 
@@ -38,6 +39,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--rounds must be ≥ 1, got {args.rounds}")
     if args.request_rate <= 0:
         parser.error(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+    try:
+        args.background_load = parse_background_load(args.background_load)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -108,6 +113,12 @@ def _add_load_arguments(p: argparse.ArgumentParser) -> None:
         help="compute threads per arm (default: every CPU, here %(default)s)",
     )
     load.add_argument("--num-warmup", type=int, default=2, help="uncounted requests per workload")
+    load.add_argument(
+        "--background-load",
+        default="none",
+        help="a busy machine while each arm is measured: cores=N processes that each keep a core "
+        "busy, memory=N that stream memory, or both (cores=1,memory=1)",
+    )
     load.add_argument(
         "--request-rate",
         type=float,

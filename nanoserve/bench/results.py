@@ -161,6 +161,8 @@ def _preamble_lines(workload: Workload, run_info: dict) -> list[str]:
         f"; 1-minute load average {machine['load_average_at_start']:.1f} at the start, "
         f"{machine['load_average_at_end']:.1f} at the end (other work skews the numbers)"
     )
+    if run_info.get("background_load", "none") != "none":
+        machine_line += f"; background load while each arm ran: {run_info['background_load']}"
     return [
         f"# {workload.name} — {run_info['date']}",
         "",

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from nanoserve.bench import workloads
+from nanoserve.bench import background, workloads
 from nanoserve.bench.arms import ArmOptions, ArmSpec, Server
 from nanoserve.bench.client import (
     PhaseResults,
@@ -42,7 +42,13 @@ def signals_end_the_run() -> Iterator[None]:
 
 
 def run_workload(server: Server, workload: Workload, args: argparse.Namespace) -> PhaseResults:
-    """The workload's warm-up requests (not counted), then each of its phases in order."""
+    """The workload's warm-up requests (not counted), then each of its phases in order, with
+    the background load (`--background-load`) running throughout."""
+    with background.running(args.background_load):
+        return _run_workload(server, workload, args)
+
+
+def _run_workload(server: Server, workload: Workload, args: argparse.Namespace) -> PhaseResults:
     url = server.base_url + "/v1/completions"
     name = server.spec.name
     warmup = [

@@ -128,6 +128,7 @@ def _run_info(
             "decode_weight_bytes": weight_bytes or None,
         },
         "machine": machine,
+        "background_load": args.background_load.describe(),
         "bound_tok_s": bandwidth * 1e9 / weight_bytes if weight_bytes else None,
     }
 
