@@ -38,6 +38,9 @@ def test_stopping_finishes_streams_then_leaves_no_thread_and_a_free_port(
     assert rest[-1] == "data: [DONE]"  # finished within the grace period, not cut off
     assert '"finish_reason":"length"' in rest[-2]
     assert code == 0 and not server.client.is_running
+    deadline = time.monotonic() + 10  # the tokenizer's thread ends once its last job has
+    while not set(threading.enumerate()) <= threads_before and time.monotonic() < deadline:
+        time.sleep(0.01)  # paces the poll
     assert set(threading.enumerate()) <= threads_before
     with socket.socket() as sock:  # nobody listens there any more: a new server may bind it
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as serve binds (TIME_WAIT)

@@ -106,33 +106,49 @@ def test_stop_string_spanning_tokens_never_leaks(
     assert choices[-1]["stop_reason"] == plain["choices"][0]["stop_reason"] == stop_reason
 
 
+NEAR_TIE = 1e-3  # logprob gap under which float rounding may pick either token
+
+
 def test_32_concurrent_streams_equal_each_alone(server: InProcessServer) -> None:
+    """Batched with 31 others, a greedy stream gives the tokens it gives alone; where they part,
+    the model was torn between two tokens (a float32 product of another batch shape may round
+    the other way), never sure of the one it lost."""
     prompts = [f"prompt number {i}: " + "x" * i for i in range(32)]
 
     def body(prompt: str, stream: bool) -> dict:
         return {
-            "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True, "stream": stream,
-        }  # fmt: skip
+            **{"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0},
+            **{"ignore_eos": True, "stream": stream, "logprobs": 2},
+        }
 
     alone = [
         httpx.post(f"{server.url}/v1/completions", json=body(p, False), timeout=60).json()
         for p in prompts
     ]
-    alone_texts = [r["choices"][0]["text"] for r in alone]
+    alone_logprobs = [r["choices"][0]["logprobs"] for r in alone]
 
-    async def one_stream(client: httpx.AsyncClient, prompt: str) -> str:
-        text = ""
+    async def one_stream(client: httpx.AsyncClient, prompt: str) -> list[str]:
+        tokens: list[str] = []
         async with client.stream("POST", "/v1/completions", json=body(prompt, True)) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
-                    text += json.loads(line[6:])["choices"][0]["text"]
-        return text
+                    tokens += json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]
+        return tokens
 
-    async def all_streams() -> list[str]:
+    async def all_streams() -> list[list[str]]:
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
             return await asyncio.gather(*(one_stream(client, p) for p in prompts))
 
-    assert asyncio.run(all_streams()) == alone_texts
+    together = asyncio.run(all_streams())
+    num_parted = 0
+    for index, (tokens, expected) in enumerate(zip(together, alone_logprobs, strict=True)):
+        if tokens == expected["tokens"]:
+            continue
+        num_parted += 1
+        pairs = zip(tokens, expected["tokens"], strict=True)
+        at = next(i for i, (got, alone_token) in enumerate(pairs) if got != alone_token)
+        first, second = sorted(expected["top_logprobs"][at].values(), reverse=True)[:2]
+        assert first - second < NEAR_TIE, f"prompt {index} parted at token {at}"
+    assert num_parted <= 2  # near-ties are rare
