@@ -39,7 +39,7 @@ def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
     prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (3, 17, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
 
-    def run(eager: bool, batch: list[list[int]]) -> list[list[int]]:
+    def build(eager: bool):
         engine = build_engine(
             EngineConfig(
                 model=str(checkpoint),
@@ -54,6 +54,9 @@ def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
         assert names in plain if eager else names == ["compiled-decode", "eager"]
         backend = CpuKernelAttention if eager else CompiledCpuAttention
         assert type(engine.kv_cache.backend) is backend
+        return engine
+
+    def run(engine, batch: list[list[int]]) -> list[list[int]]:
         tokens: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}
         for i, prompt in enumerate(batch):
             engine.add_request(str(i), prompt, params)
@@ -62,9 +65,10 @@ def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
                 tokens[delta.request_id].extend(delta.new_token_ids)
         return [tokens[str(i)] for i in range(len(batch))]
 
+    compiled, eager = build(eager=False), build(eager=True)
     # One request alone (one-token linears) and three at once (batched decode).
     for batch in (prompts[:1], prompts):
-        assert run(False, batch) == run(True, batch)
+        assert run(compiled, batch) == run(eager, batch)
 
 
 @pytest.mark.slow
