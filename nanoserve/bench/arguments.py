@@ -10,6 +10,7 @@ from pathlib import Path
 from nanoserve.bench import workloads
 from nanoserve.bench.arms import DEFAULT_VLLM_VENV
 from nanoserve.bench.background import parse_background_load
+from nanoserve.bench.llamacpp import DEFAULT_LLAMACPP_DIR
 from nanoserve.bench.models import PRESETS
 from nanoserve.cli.help_format import DefaultsHelpFormatter
 
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--arm",
         action="append",
         default=None,
-        help="nanoserve | hf | vllm (builds a ~3.4 GB vLLM environment on first use) | "
+        help="nanoserve | hf | vllm (builds a ~3.4 GB vLLM environment on first use) | llamacpp "
+        "(builds llama.cpp's llama-server on first use; the model converted to a bf16 GGUF) | "
         "url=NAME=http://host:port (a server already running) | cmd=NAME='cmd {port} {model}' "
         "(repeat; default: nanoserve and hf)",
     )
@@ -208,3 +210,12 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="the vLLM arm's virtual environment, built there on first use",
     )
     servers.add_argument("--vllm-args", default="", help="extra arguments for vLLM (one string)")
+    servers.add_argument(
+        "--llamacpp-dir",
+        type=Path,
+        default=DEFAULT_LLAMACPP_DIR,
+        help="where the llamacpp arm builds llama-server once (~10 minutes on 2 cores)",
+    )
+    servers.add_argument(
+        "--llamacpp-server", type=Path, help="a llama-server binary to use instead of building one"
+    )

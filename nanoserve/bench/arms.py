@@ -3,6 +3,7 @@
 nanoserve              the installed nanoserve: python -m nanoserve.cli.main serve
 hf                     the transformers baseline: python -m nanoserve.bench.hf_server
 vllm                   vLLM's CPU build in its own virtual environment (built on request)
+llamacpp               llama.cpp's llama-server (built on request, or --llamacpp-server), bf16 GGUF
 url=NAME=http://...    any OpenAI-compatible server that is already running
 cmd=NAME=COMMAND       any server started by COMMAND, with {port}, {host} and {model} filled in
 """
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from nanoserve.bench.llamacpp import DEFAULT_LLAMACPP_DIR, SLOTS, ensure_gguf, ensure_llama_server
+
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 20  # for a server to shut down on SIGTERM before its group is killed
 
@@ -40,14 +43,14 @@ class ArmSpec:
     """One server to benchmark: what it is and how to reach or start it."""
 
     name: str
-    kind: str  # nanoserve | hf | vllm | url | cmd
+    kind: str  # nanoserve | hf | vllm | llamacpp | url | cmd
     url: str | None = None  # kind url
     command: str | None = None  # kind cmd: a shell command with {port}, {host}, {model}
 
 
 def parse_arm(text: str) -> ArmSpec:
     """`nanoserve`, `hf`, `vllm`, `url=NAME=http://host:port` or `cmd=NAME=COMMAND`."""
-    if text in ("nanoserve", "hf", "vllm"):
+    if text in ("nanoserve", "hf", "vllm", "llamacpp"):
         return ArmSpec(name=text, kind=text)
     kind, _, rest = text.partition("=")
     name, _, value = rest.partition("=")
@@ -60,8 +63,8 @@ def parse_arm(text: str) -> ArmSpec:
             raise ValueError(f"--arm cmd=NAME=COMMAND must contain {{port}}, got {value!r}")
         return ArmSpec(name=name, kind="cmd", command=value)
     raise ValueError(
-        f"--arm {text!r} is not understood; use nanoserve, hf, vllm, url=NAME=http://host:port "
-        "or cmd=NAME='command with {port} and {model}'"
+        f"--arm {text!r} is not understood; use nanoserve, hf, vllm, llamacpp, "
+        "url=NAME=http://host:port or cmd=NAME='command with {port} and {model}'"
     )
 
 
@@ -83,6 +86,8 @@ class ArmOptions:
     nanoserve_args: list[str] = field(default_factory=list)
     vllm_venv: Path = DEFAULT_VLLM_VENV
     vllm_args: list[str] = field(default_factory=list)
+    llamacpp_dir: Path = DEFAULT_LLAMACPP_DIR  # where llama-server is built (once)
+    llamacpp_server: Path | None = None  # a llama-server to use instead of building one
     # OMP_WAIT_POLICY for every arm ("PASSIVE", "ACTIVE"); None leaves each server's own default.
     omp_wait_policy: str | None = None
 
@@ -160,6 +165,7 @@ class Server:
             "nanoserve": self._nanoserve_launch,
             "hf": self._hf_launch,
             "vllm": self._vllm_launch,
+            "llamacpp": self._llamacpp_launch,
             "cmd": self._cmd_launch,
             "url": self._url_launch,
         }
@@ -205,6 +211,21 @@ class Server:
         description = {
             "server": f"vLLM ({VLLM_PACKAGE}, OpenAI api_server)",
             "mode": "eager (--enforce-eager), VLLM_CPU_NUM_OF_RESERVED_CPU=0",
+        }
+        return argv, description
+
+    def _llamacpp_launch(self, env: dict) -> tuple[list[str], dict]:
+        """llama-server over the checkpoint as bf16 GGUF, SLOTS parallel sequences of
+        max_model_len each, continuous batching (its default)."""
+        options = self.options
+        server = options.llamacpp_server or ensure_llama_server(options.llamacpp_dir)
+        gguf = ensure_gguf(self.model_dir, options.llamacpp_dir)
+        argv = [str(server), "-m", str(gguf), "--host", "{host}", "--port", "{port}"]
+        argv += ["--threads", str(options.threads), "--parallel", str(SLOTS)]
+        argv += ["--ctx-size", str(SLOTS * options.max_model_len), "--alias", "llamacpp"]
+        description = {
+            "server": "llama.cpp llama-server (" + server.name + ")",
+            "mode": f"bf16 GGUF, {SLOTS} slots, --threads {options.threads}",
         }
         return argv, description
 

@@ -95,6 +95,8 @@ def _arm_options(args: argparse.Namespace, log_dir: Path) -> ArmOptions:
         nanoserve_args=args.nanoserve_args.split(),
         vllm_venv=args.vllm_venv,
         vllm_args=args.vllm_args.split(),
+        llamacpp_dir=args.llamacpp_dir,
+        llamacpp_server=args.llamacpp_server,
         omp_wait_policy=args.omp_wait_policy,
     )
 
