@@ -4,15 +4,15 @@ carries it (`llama-cpp-python`), the checkpoint converted with llama.cpp's own c
     ensure_llama_server(cache_dir)       llama-server, built with cmake for this CPU (~10 min once)
     ensure_gguf(model_dir, cache_dir)    the checkpoint as a bf16 GGUF, converted once per model
 
-llama.cpp's converter names a BPE tokenizer's pre-tokenizer by hashing how it splits a test
-text and refuses one it does not know; the benchmark's dummy checkpoints carry a byte-level
-tokenizer (one token per byte, no merges), which no pre-tokenizer rule changes, so an unknown
-one is converted as "default". Nothing of llama.cpp is vendored or committed: it is built from
-the package, outside the project, as the vLLM arm's environment is.
+The benchmark's dummy checkpoints carry a byte-level tokenizer that llama.cpp's BPE loader
+refuses (it has no merges); `llamacpp_convert.py` writes it as llama.cpp's byte-fallback
+vocabulary instead. Nothing of llama.cpp is vendored or committed: it is built from the
+package, outside the project, as the vLLM arm's environment is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
@@ -23,28 +23,6 @@ from pathlib import Path
 LLAMACPP_PACKAGE = "llama-cpp-python==0.3.36"  # its source distribution vendors llama.cpp
 DEFAULT_LLAMACPP_DIR = Path.home() / ".cache" / "nanoserve" / "llama.cpp-0.3.36"
 SLOTS = 8  # parallel sequences llama-server serves, each with max_model_len of context
-
-# Runs llama.cpp's converter, with an unknown pre-tokenizer taken as "default" (see above).
-CONVERT = """
-import sys
-sys.path.insert(0, sys.argv[1])
-import convert_hf_to_gguf as converter
-from conversion import base
-
-known = base.TextModel.get_vocab_base_pre
-
-
-def pre_tokenizer(self, tokenizer):
-    try:
-        return known(self, tokenizer)
-    except NotImplementedError:
-        return "default"
-
-
-base.TextModel.get_vocab_base_pre = pre_tokenizer
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
-converter.main()
-"""
 
 
 def _run(step: list[str], cwd: Path | None = None) -> None:
@@ -59,9 +37,10 @@ def source_dir(cache_dir: Path) -> Path:
 
 def ensure_llama_server(cache_dir: Path = DEFAULT_LLAMACPP_DIR) -> Path:
     """llama-server, built once from the package's vendored llama.cpp; its path."""
-    binary = cache_dir / "bin" / "llama-server"
-    if binary.exists():
-        return binary
+    with contextlib.suppress(StopIteration):
+        binary = source_dir(cache_dir) / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+        if binary.exists():
+            return binary
     print(f"building llama.cpp's server in {cache_dir} ({LLAMACPP_PACKAGE})...", file=sys.stderr)
     downloads = cache_dir / "download"
     pip = [sys.executable, "-m", "pip"]
@@ -83,13 +62,12 @@ def ensure_llama_server(cache_dir: Path = DEFAULT_LLAMACPP_DIR) -> Path:
     llama_cpp = source_dir(cache_dir) / "vendor" / "llama.cpp"
     build = llama_cpp / "build"
     options = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"]
-    _run(["cmake", "-S", str(llama_cpp), "-B", str(build), *options, "-DLLAMA_BUILD_TESTS=OFF"])
+    options += ["-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+    _run(["cmake", "-S", str(llama_cpp), "-B", str(build), *options])
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j"])
     # The Qwen converters try sentencepiece first; it lives beside the build, not in our venv.
     _run([*pip, "install", "--target", str(cache_dir / "pydeps"), "sentencepiece"])
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    (build / "bin" / "llama-server").rename(binary)
-    return binary
+    return build / "bin" / "llama-server"
 
 
 def ensure_gguf(model_dir: Path, cache_dir: Path = DEFAULT_LLAMACPP_DIR) -> Path:
@@ -98,10 +76,9 @@ def ensure_gguf(model_dir: Path, cache_dir: Path = DEFAULT_LLAMACPP_DIR) -> Path
     if gguf.exists():
         return gguf
     llama_cpp = source_dir(cache_dir) / "vendor" / "llama.cpp"
-    env_path = cache_dir / "pydeps"
-    command = [sys.executable, "-c", CONVERT, str(llama_cpp), str(model_dir)]
-    command += ["--outtype", "bf16", "--outfile", str(gguf)]
-    print("  $ " + shlex.join(command[:2] + ["<convert>", *command[3:]]), file=sys.stderr)
-    env = {**os.environ, "PYTHONPATH": f"{env_path}:{llama_cpp / 'gguf-py'}"}
-    subprocess.run(command, check=True, env=env)
+    command = [sys.executable, "-m", "nanoserve.bench.llamacpp_convert", str(llama_cpp)]
+    command += [str(model_dir), "--outtype", "bf16", "--outfile", str(gguf)]
+    print("  $ " + shlex.join(command), file=sys.stderr)
+    python_path = [str(cache_dir / "pydeps"), str(llama_cpp / "gguf-py"), *sys.path]
+    subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": ":".join(python_path)})
     return gguf

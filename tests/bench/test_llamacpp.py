@@ -3,10 +3,11 @@ conversion's pre-tokenizer fallback (its build, ~10 minutes, is not part of the 
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from types import SimpleNamespace
 
-from nanoserve.bench import llamacpp
+from tiny_checkpoints import make_tiny_checkpoint
+
+from nanoserve.bench import llamacpp, llamacpp_convert
 from nanoserve.bench.arms import ArmOptions, Server, parse_arm
 
 
@@ -24,30 +25,34 @@ def test_llama_server_gets_the_threads_slots_and_context_of_every_arm(tmp_path):
     assert env["OMP_NUM_THREADS"] == "3" and "bf16 GGUF" in description["mode"]
 
 
-def test_the_converter_shim_takes_an_unknown_pre_tokenizer_as_default(tmp_path):
-    """The shim wraps llama.cpp's own method: a known tokenizer keeps its name."""
-    fake = tmp_path / "llama.cpp"
-    (fake / "conversion").mkdir(parents=True)
-    (fake / "conversion" / "__init__.py").write_text("")
-    (fake / "conversion" / "base.py").write_text(
-        "class TextModel:\n"
-        "    def get_vocab_base_pre(self, tokenizer):\n"
-        "        if tokenizer == 'known':\n"
-        "            return 'qwen2'\n"
-        "        raise NotImplementedError('BPE pre-tokenizer was not recognized')\n"
+def test_the_byte_tokenizer_is_written_as_a_byte_fallback_vocabulary(tmp_path):
+    """Ids keep their meaning: id b is the byte b, the specials stay at their ids, the rest
+    up to the model's vocabulary is unused."""
+    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
+    assert llamacpp_convert.is_byte_tokenizer(checkpoint)
+    written: dict[str, object] = {}
+
+    class Writer:
+        def __getattr__(self, name):
+            return lambda value: written.__setitem__(name.removeprefix("add_"), value)
+
+    class SpecialVocab:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def add_to_gguf(self, writer) -> None:
+            written["special_vocab"] = True
+
+    gguf = SimpleNamespace(
+        TokenType=SimpleNamespace(BYTE="byte", CONTROL="control", UNUSED="unused"),
+        SpecialVocab=SpecialVocab,
     )
-    (fake / "convert_hf_to_gguf.py").write_text(
-        "import sys\n"
-        "from conversion import base\n"
-        "def main():\n"
-        "    model = base.TextModel()\n"
-        "    names = model.get_vocab_base_pre('known'), model.get_vocab_base_pre('bytes')\n"
-        "    print(*names, sys.argv[1:])\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", llamacpp.CONVERT, str(fake), "/model", "--outtype", "bf16"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert done.stdout.strip() == "qwen2 default ['/model', '--outtype', 'bf16']"
+    model = SimpleNamespace(dir_model=checkpoint, hparams={"vocab_size": 320}, gguf_writer=Writer())
+    llamacpp_convert.set_byte_vocab(model, gguf)
+    tokens, types = written["token_list"], written["token_types"]
+    assert written["tokenizer_model"] == "llama" and written["add_space_prefix"] is False
+    assert len(tokens) == len(types) == 320
+    assert tokens[0] == "<0x00>" and tokens[255] == "<0xFF>" and types[65] == "byte"
+    assert tokens[258] == "<|im_end|>" and types[258] == "control"
+    assert tokens[300] == "[PAD300]" and types[300] == "unused"
+    assert written["special_vocab"] is True
