@@ -4,6 +4,8 @@ Every way a body can be wrong ends here as an OpenAI-shaped 4xx, before any rout
 
 - a media type other than JSON (415), a body over `--max-body-bytes` (413) or one that does not
   arrive within `--body-timeout` seconds (408; the connection is closed after the answer);
+- JSON nested deeper than MAX_JSON_DEPTH (400), found on the raw text before anything parses
+  it (`json_depth.py`), so the answer never depends on the process's recursion limit;
 - JSON that Python's parser would take but nothing after it should see (400): lone UTF-16
   surrogates (`"\\ud800"`, which no UTF-8 encoder can write), numbers that are not finite
   (`NaN`, `1e999`), bytes that are not UTF-8. msgspec's decoder rejects each of them and is
@@ -30,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.errors import APIError, ClientDisconnected, validation_error
+from nanoserve.server.json_depth import MAX_JSON_DEPTH, is_json_too_deep
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -113,6 +116,12 @@ def parse_json_body(body: bytes, model: type[T]) -> T:
 def _decode_and_validate(body: bytes, model: type[T]) -> T | APIError:
     """The model, or the error to answer (returned, not raised: no traceback keeps the body's
     objects alive)."""
+    if is_json_too_deep(body):
+        return APIError(
+            f"the request body is nested too deeply: JSON may nest at most {MAX_JSON_DEPTH} "
+            "levels of arrays and objects",
+            400,
+        )
     try:
         data = _JSON_DECODER.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -121,16 +130,12 @@ def _decode_and_validate(body: bytes, model: type[T]) -> T | APIError:
             "numbers and no lone UTF-16 surrogates such as \\ud800",
             400,
         )
-    except RecursionError:
-        return APIError("the request body is not valid JSON: it is nested too deeply", 400)
     if not isinstance(data, dict):
         return APIError(f"the request body must be a JSON object, got {type(data).__name__}", 400)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         return validation_error([dict(error) for error in e.errors()])
-    except RecursionError:
-        return APIError("the request body is nested too deeply", 400)
 
 
 async def read_json_body(request: Request, model: type[T], config: ServerConfig) -> T:

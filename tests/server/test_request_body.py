@@ -4,13 +4,15 @@ mid-body counted as a disconnect (no traceback)."""
 from __future__ import annotations
 
 import socket
+import sys
 import time
 
 import pytest
 from servers import InProcessServer, read_metrics
 
 from nanoserve.server.errors import APIError
-from nanoserve.server.openai.api_models import CompletionRequest
+from nanoserve.server.json_depth import MAX_JSON_DEPTH
+from nanoserve.server.openai.api_models import ChatCompletionRequest, CompletionRequest
 from nanoserve.server.request_body import check_media_type, parse_json_body
 
 DISCONNECTED = "vllm:http_requests_client_disconnected_total"
@@ -52,6 +54,30 @@ def test_strict_json(body: bytes, message: str) -> None:
     with pytest.raises(APIError, match=message) as info:
         parse_json_body(body, CompletionRequest)
     assert info.value.status_code == 400
+
+
+def kwargs_body(levels: int) -> bytes:
+    """A chat body whose template kwargs hold a value `levels` lists deep (the body: 2 more)."""
+    value = "[" * levels + "]" * levels
+    return (
+        f'{{"messages": [{{"role": "user", "content": "x"}}], "chat_template_kwargs": '
+        f'{{"v": {value}}}}}'
+    ).encode()
+
+
+@pytest.mark.parametrize("recursion_limit", [1000, 20_000])
+def test_the_nesting_bound_does_not_depend_on_the_recursion_limit(recursion_limit: int) -> None:
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(recursion_limit)  # torch.compile's inductor raises it past 2,000
+    try:
+        for levels in (MAX_JSON_DEPTH - 1, 900, 5000):
+            with pytest.raises(APIError, match=f"at most {MAX_JSON_DEPTH} levels") as info:
+                parse_json_body(kwargs_body(levels), ChatCompletionRequest)
+            assert info.value.status_code == 400
+        deepest = parse_json_body(kwargs_body(MAX_JSON_DEPTH - 2), ChatCompletionRequest)
+        assert deepest.chat_template_kwargs is not None
+    finally:
+        sys.setrecursionlimit(old)
 
 
 def test_a_valid_body() -> None:
