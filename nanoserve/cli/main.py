@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve import __version__
+from nanoserve.cli.argument_errors import OneLineArgumentParser
 from nanoserve.cli.help_format import DefaultsHelpFormatter
 from nanoserve.cli.model_arguments import add_hub_flags, check_model_arguments
 from nanoserve.cli.serve_flags import (
@@ -173,7 +174,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve", description="A small LLM inference server.")
+    parser = OneLineArgumentParser(prog="nanoserve", description="A small LLM inference server.")
     parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_serve_parser(subparsers)
@@ -221,13 +222,15 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
 
 
 def check_engine_config(config: EngineConfig) -> Path:
-    """Resolve the checkpoint (no weights) and check the limits against its config.json.
+    """Check the device, resolve the checkpoint (no weights) and check the limits against its
+    config.json.
 
     Returns the checkpoint directory, whose tokenizer the front loads. Raises ValueError.
     """
-    from nanoserve.cli.startup import check_kv_cache_memory
+    from nanoserve.cli.startup import check_device, check_kv_cache_memory
     from nanoserve.common.checkpoint import load_model_config, resolve_checkpoint
 
+    check_device(config.device)
     model_dir = resolve_checkpoint(
         config.model,
         config.load_format,

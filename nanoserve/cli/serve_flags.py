@@ -33,6 +33,35 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def format_bytes(num_bytes: int) -> str:
+    """A byte count as --help shows it: 33554432 -> '32MiB' (exact binary units only)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}"
+    return str(num_bytes)
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 1 to 65535 (argparse's `type` for --port and --master-port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a whole number from 1 to 65535, got {text!r}")
+    return port
+
+
+def quantization_method(text: str) -> str:
+    """--quantization's value; FP8 gets a hint, as FP8 checkpoints need no flag."""
+    if text.lower() == "fp8":
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(QUANTIZATIONS)}); an FP8 checkpoint "
+            "(a quantization_config in its config.json) needs no flag"
+        )
+    return text
+
+
 def config_default(config_class: type, name: str) -> Any:
     """The default of field `name` of a config dataclass: the CLI keeps no second copy."""
     return {f.name: f.default for f in dataclasses.fields(config_class)}[name]
@@ -40,7 +69,7 @@ def config_default(config_class: type, name: str) -> Any:
 
 def add_http_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     parser.add_argument(
         "--served-model-name",
         nargs="+",
@@ -82,11 +111,13 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_limit_and_timeout_flags(parser: argparse.ArgumentParser) -> None:
+    max_body_bytes = config_default(ServerConfig, "max_body_bytes")
     parser.add_argument(
         "--max-body-bytes",
         type=parse_bytes,
-        default=config_default(ServerConfig, "max_body_bytes"),
-        help="largest request body, e.g. 32MiB (413 beyond)",
+        default=max_body_bytes,
+        help=f"largest request body, e.g. 64MiB (413 beyond; default: "
+        f"{format_bytes(max_body_bytes)})",
     )
     parser.add_argument(
         "--max-prompt-chars",
@@ -124,12 +155,13 @@ def add_speed_flags(parser: argparse.ArgumentParser) -> None:
         "--compile",
         dest="compile_decode",
         action="store_true",
-        help="torch.compile the decode step: faster per token on CPU, but it compiles for tens "
-        "of seconds (minutes for billion-parameter models on few cores) at start-up, and on "
-        "CPU keeps a second copy of the bf16 linear weights",
+        help="CPU: run decode steps under torch.compile instead of through the C++ kernels; it "
+        "compiles for tens of seconds at start-up (minutes for billion-parameter models on few "
+        "cores)",
     )
     parser.add_argument(
         "--quantization",
+        type=quantization_method,
         choices=QUANTIZATIONS,
         help="int8: weight-only int8 linears (per output channel; activations stay in the model "
         "dtype). FP8 checkpoints (quantization_config in config.json) need no flag (default: "
@@ -192,7 +224,7 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--master-port",
-        type=int,
+        type=port_number,
         help="the port the ranks meet on (required with --nnodes > 1; default: a free port)",
     )
     parser.add_argument(

@@ -2,15 +2,20 @@
 
     bind_socket            the listening socket, bound first: a busy port fails in a second
     check_kv_cache_memory  a --kv-cache-memory too small for the model, from its config.json
+    check_device           --device cuda on a machine or a torch without CUDA
 
 Each raises ValueError with a message that names the setting and a value that would work.
 """
 
 from __future__ import annotations
 
+import ast
 import errno
+import importlib.util
 import math
+import shutil
 import socket
+from pathlib import Path
 
 from nanoserve.common.config import EngineConfig, ModelConfig, resolve_auto_dtype
 from nanoserve.common.cpu_features import has_native_bf16
@@ -86,3 +91,59 @@ def check_kv_cache_memory(config: EngineConfig, model_config: ModelConfig) -> No
         f"this model, and one sequence of max_model_len ({max_model_len}) tokens needs "
         f"{num_blocks_needed} blocks; kv_cache_memory {suggested_mib}MiB would hold it"
     )
+
+
+def check_device(device: str) -> None:
+    """`--device cuda` needs a torch built with CUDA and an NVIDIA driver. Both are read from
+    files (torch's version.py, /proc/driver/nvidia, nvidia-smi on PATH), not by importing torch,
+    so that the answer takes milliseconds; the worker still checks that torch sees a GPU."""
+    if not device.startswith("cuda"):
+        return
+    reason = cuda_missing_reason(torch_build_facts(), has_nvidia_driver())
+    if reason is not None:
+        raise ValueError(
+            f"--device {device} was asked for, but {reason}; use --device cpu (--device auto "
+            "picks CUDA when there is one)"
+        )
+
+
+def cuda_missing_reason(torch_build: dict[str, str | None] | None, has_driver: bool) -> str | None:
+    """Why CUDA cannot run here, or None when it may (the worker has the last word).
+
+    `torch_build` holds torch's `__version__`, `cuda` and `hip` (None: torch is not found)."""
+    if torch_build is None:
+        return None  # the worker reports a missing torch
+    if torch_build.get("hip") or "cuda" not in torch_build:
+        return None  # a ROCm build (its GPUs answer to "cuda" too), or a version.py unlike ours
+    if torch_build["cuda"] is None:
+        return f"this torch ({torch_build.get('__version__')}) is built without CUDA"
+    if not has_driver:
+        return "this machine has no NVIDIA driver (no /proc/driver/nvidia, no nvidia-smi)"
+    return None
+
+
+def torch_build_facts() -> dict[str, str | None] | None:
+    """`__version__`, `cuda` and `hip` as the installed torch's version.py assigns them, read
+    without importing torch (which takes seconds); None where torch or the file is not found."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    version_file = Path(list(spec.submodule_search_locations)[0]) / "version.py"
+    try:
+        tree = ast.parse(version_file.read_text())
+    except (OSError, SyntaxError):
+        return None
+    facts: dict[str, str | None] = {}
+    for node in tree.body:  # `cuda: Optional[str] = None`, `__version__ = '2.13.0+cpu'`
+        if isinstance(node, ast.AnnAssign | ast.Assign) and isinstance(node.value, ast.Constant):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            value = node.value.value
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    facts[target.id] = value if isinstance(value, str) else None
+    return facts
+
+
+def has_nvidia_driver() -> bool:
+    """An NVIDIA kernel driver is loaded (Linux), or its command-line tool is installed."""
+    return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None

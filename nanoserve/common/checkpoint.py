@@ -12,6 +12,7 @@ pickle checkpoints (*.bin) can run code when opened, so they are refused.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -32,6 +33,8 @@ DEMO_MODEL_NAME = "nanoserve-demo"
 DEMO_MODEL_DIR = PACKAGE_DIR / "assets" / "demo"
 METADATA_PATTERNS = ["*.json", "tokenizer*", "*.jinja", "*.model", "*.txt"]
 WEIGHT_PATTERNS = ["*.safetensors"]
+# How alike (difflib's ratio) a name the hub does not know must be to a known one to suggest it.
+NAME_SIMILARITY_CUTOFF = 0.8
 
 # Llama, Mistral, Qwen2 and Qwen3 are one model family with small switches (engine/models/).
 SUPPORTED_ARCHITECTURES = (
@@ -115,13 +118,24 @@ def _download(
             )
         )
     except Exception as error:  # network, auth, unknown repo, offline cache miss: all reported
+        reason = " ".join(f"{type(error).__name__}: {error}".split())  # one line, always
+        failed = f"could not fetch model {model!r} from the Hugging Face Hub ({reason})"
+        meant = _name_meant(model)
+        if meant is not None:
+            raise ModelLoadError(f"{failed}; did you mean {meant!r}?") from error
         presets = ", ".join(available_presets())
         raise ModelLoadError(
-            f"could not fetch model {model!r} from the Hugging Face Hub "
-            f"({type(error).__name__}: {error}). Pass a local checkpoint directory, check the id "
-            f"and the network (HF_HUB_OFFLINE=1 uses only the local cache), or use "
-            f"--load-format dummy with a preset ({presets})"
+            f"{failed}. Pass a local checkpoint directory, check the id and the network "
+            f"(HF_HUB_OFFLINE=1 uses only the local cache), or use --load-format dummy with a "
+            f"preset ({presets})"
         ) from error
+
+
+def _name_meant(model: str) -> str | None:
+    """The demo's or a preset's name when `model` is one of them mistyped (`nanoserve-dmo`)."""
+    names = [DEMO_MODEL_NAME, *available_presets()]
+    matches = difflib.get_close_matches(model, names, n=1, cutoff=NAME_SIMILARITY_CUTOFF)
+    return matches[0] if matches else None
 
 
 def _check_checkpoint_dir(path: Path, model: str, load_format: str, with_weights: bool) -> Path:

@@ -1,5 +1,6 @@
 """The front's start-up checks: a busy port before the model loads, a KV budget the worker can
-use, computed without torch but equal to what the worker allocates."""
+use, computed without torch but equal to what the worker allocates, and CUDA where it cannot
+run, read from files without importing torch."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from pathlib import Path
 import pytest
 from tiny_checkpoints import make_tiny_checkpoint
 
-from nanoserve.cli.startup import bind_socket, check_kv_cache_memory, kv_block_bytes
+from nanoserve.cli.startup import (
+    bind_socket,
+    check_device,
+    check_kv_cache_memory,
+    cuda_missing_reason,
+    kv_block_bytes,
+)
 from nanoserve.common.checkpoint import load_model_config
 from nanoserve.common.config import EngineConfig
 
@@ -80,3 +87,43 @@ def test_the_suggested_kv_budget_starts_the_engine(tiny_checkpoint: Path) -> Non
     check_kv_cache_memory(fixed, model_config)
     kv_cache = Engine(fixed).kv_cache
     assert kv_cache.num_blocks * kv_cache.block_size >= 512
+
+
+CPU_TORCH = {"__version__": "2.13.0+cpu", "cuda": None, "hip": None}
+CUDA_TORCH = {"__version__": "2.13.0", "cuda": "12.8", "hip": None}
+ROCM_TORCH = {"__version__": "2.13.0+rocm6.4", "cuda": None, "hip": "6.4"}
+
+
+@pytest.mark.parametrize(
+    ("torch_build", "has_driver", "reason"),
+    [
+        (CPU_TORCH, True, "this torch (2.13.0+cpu) is built without CUDA"),
+        (CUDA_TORCH, False, "this machine has no NVIDIA driver"),
+        (CUDA_TORCH, True, None),  # the worker then asks torch whether it sees a GPU
+        (ROCM_TORCH, False, None),  # AMD GPUs answer to "cuda" without NVIDIA's driver
+        (None, False, None),  # no torch found: the worker says so
+        ({"__version__": "9.0"}, False, None),  # a version.py unlike today's: no guess
+    ],
+)
+def test_why_cuda_cannot_run(torch_build, has_driver: bool, reason: str | None) -> None:
+    found = cuda_missing_reason(torch_build, has_driver)
+    assert found == reason or (reason is not None and found.startswith(reason)), found
+
+
+def test_the_torch_build_is_read_without_importing_torch() -> None:
+    script = (
+        "import sys\n"
+        "from nanoserve.cli.startup import torch_build_facts\n"
+        "facts = torch_build_facts()\n"
+        "assert 'torch' not in sys.modules\n"
+        "import torch\n"
+        "assert facts['__version__'] == torch.__version__, facts\n"
+        "assert (facts['cuda'], facts['hip']) == (torch.version.cuda, torch.version.hip), facts\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_cpu_devices_are_never_refused() -> None:
+    check_device("cpu")
+    check_device("auto")  # auto is CPU where CUDA cannot run

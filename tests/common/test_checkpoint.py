@@ -269,3 +269,21 @@ def test_dummy_checkpoints_decode_every_id_to_visible_text(tmp_path):
     assert len(text.split()) == len(sampled_ids) and text.replace(" ", "").isalpha(), text
     assert tokenizer.encode("héllo ✓") == list("héllo ✓".encode())  # bytes, never filler words
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 258
+
+
+def test_a_hub_miss_is_one_line_and_names_a_known_model_it_resembles(monkeypatch):
+    import huggingface_hub
+
+    def offline(repo_id, **kwargs):  # huggingface_hub's own messages may span lines
+        raise OSError("Cannot find an appropriate cached snapshot folder.\nTo enable look-ups...")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    mistyped = {"nanoserve-dmo": "nanoserve-demo", "Qwen/Qwen3-06B": "Qwen/Qwen3-0.6B"}
+    for typed, meant in mistyped.items():
+        with pytest.raises(ModelLoadError) as raised:
+            resolve_checkpoint(typed)
+        message = str(raised.value)
+        assert "\n" not in message and message.endswith(f"; did you mean {meant!r}?"), message
+    with pytest.raises(ModelLoadError) as raised:
+        resolve_checkpoint("someone/missing-model")
+    assert "\n" not in str(raised.value) and "did you mean" not in str(raised.value)
