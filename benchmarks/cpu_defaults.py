@@ -23,7 +23,9 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.bench.machine import measure_read_bandwidth_gb_s
 from nanoserve.core.attention.reference import decode_group_attention
-from nanoserve.platforms.cpu.fused_ops import use_fused_cpu_ops
+from nanoserve.core.layers.ops import PORTABLE_OPS, install_layer_ops
+from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
+from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import PackedLinearMethod, decode_gemv, pack, packed_linear
 from tests.tiny_checkpoints import make_tiny_checkpoint
 
@@ -143,7 +145,11 @@ def measure_fused(rounds: int, prompt_tokens: int = 71) -> None:
     """One model, the fused CPU kernels switched on and off round by round: decode, then a
     71-token prefill (a fresh prompt each time)."""
     llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
-    switches = {"plain ops": lambda: use_fused_cpu_ops(False), "fused": use_fused_cpu_ops}
+    model, fused_ops = llm.engine.model, FusedCpuOps(load_cpu_kernels())
+    switches = {
+        "plain ops": lambda: install_layer_ops(model, PORTABLE_OPS),
+        "fused": lambda: install_layer_ops(model, fused_ops),
+    }
     results = alternate(dict.fromkeys(switches, llm), rounds, 32, switches)
     plain, fused = median(results["plain ops"]), median(results["fused"])
     print(f"median decode: plain {plain:.2f}, fused {fused:.2f} tok/s -> {fused / plain:.3f}x")
