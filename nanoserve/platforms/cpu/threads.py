@@ -29,7 +29,7 @@ from nanoserve.core.step_layout import StepLayout
 logger = logging.getLogger("nanoserve.threads")
 
 PROBE_STEPS = 3  # decode steps timed at each count in one probe (after one that warms it)
-FIRST_PROBE_AFTER_STEPS = 16
+FIRST_PROBE_AFTER_STEPS = 4  # early: a machine busy from the start shows no slowdown
 MIN_PROBE_INTERVAL_S = 1.0
 MAX_PROBE_INTERVAL_S = 16.0
 SWITCH_MARGIN = 0.9  # another count must be this much faster (its median step time) to win
