@@ -18,6 +18,7 @@ class CountingEngine:
     max_model_len = 64
     vocab_size = 100
     load_time_s = 0.25
+    prepare_time_s = 0.0625
     kv_sizing_time_s = 0.125
 
     def __init__(self, fail_at_step: int | None = None, fail_warm_up: Exception | None = None):

@@ -401,7 +401,11 @@ def main(argv: list[str] | None = None) -> int:
         args.command_parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command == "serve":
         check_model_arguments(args.command_parser, args, argv[argv.index("serve") + 1 :])
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:  # Ctrl-C before `serve` serves (from then on uvicorn handles it)
+        print(f"nanoserve {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

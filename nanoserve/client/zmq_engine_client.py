@@ -40,6 +40,21 @@ class _PrefixedLog(logging.LoggerAdapter):
         return f"{self.extra['prefix']}{msg}", kwargs  # type: ignore[index]
 
 
+def startup_breakdown(ready: Ready, elapsed_s: float) -> str:
+    """'12.3 s (process start 0.2 s, imports 2.1 s, ...)': a worker's start-up, stage by stage
+    in the order they ran; the process start is what the worker's own clocks did not see."""
+    stages = {
+        "imports": ready.imports_time_s,
+        "fast paths": ready.setup_time_s,  # CPU kernels (a build, if one runs), parallel group
+        "weights": ready.load_time_s,
+        "linear methods": ready.prepare_time_s,  # packing the weights
+        "KV cache and step runners": ready.kv_sizing_time_s,
+        "warm-up": ready.warmup_time_s,
+    }
+    stages = {"process start": elapsed_s - sum(stages.values()), **stages}
+    return f"{elapsed_s:.1f} s ({', '.join(f'{k} {v:.2f} s' for k, v in stages.items())})"
+
+
 class ZmqEngineClient(EngineClient):
     """The engine in a worker process, over ZMQ; restarts the worker when it dies."""
 
@@ -120,17 +135,10 @@ class ZmqEngineClient(EngineClient):
         self._is_ready = True
         if self.on_ready is not None:
             self.on_ready(message)
-        elapsed = time.perf_counter() - start
         self.log.info(
-            "worker %d ready in %.1f s (weights %.2f s, KV sizing %.2f s, warm-up %.2f s, "
-            "process start and imports %.2f s); KV cache: %d blocks x %d tokens = %d tokens; "
-            "max_model_len %d",
+            "worker %d ready in %s; KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
             message.pid,
-            elapsed,
-            message.load_time_s,
-            message.kv_sizing_time_s,
-            message.warmup_time_s,
-            elapsed - message.load_time_s - message.kv_sizing_time_s - message.warmup_time_s,
+            startup_breakdown(message, time.perf_counter() - start),
             message.num_kv_blocks,
             message.block_size,
             message.num_kv_blocks * message.block_size,
@@ -196,7 +204,11 @@ class ZmqEngineClient(EngineClient):
             self._sockets = None
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Tell the worker to exit, wait for it (kill it after `timeout_s`), clean up sockets."""
+        """Tell the worker to exit, wait for it (kill it after `timeout_s`), clean up sockets.
+
+        A worker that is still starting serves nothing and reads no message until its model is
+        loaded: it is killed at once, so that Ctrl-C while a model loads exits in a second."""
+        is_serving = self._is_ready
         self._is_closing = True
         self._is_ready = False
         if self._shutdown_timer is not None:
@@ -206,9 +218,11 @@ class ZmqEngineClient(EngineClient):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._supervisor
         self._fail_all(EngineDeadError("the server is shutting down"))
-        if self._worker is not None and self._sockets is not None:
+        if is_serving and self._worker is not None and self._sockets is not None:
             self._sockets.send(Shutdown())
             await asyncio.to_thread(self._worker.stop, timeout_s)
+        elif self._worker is not None:
+            self.log.info("stopping the model worker, which was still starting")
         self._stop_worker_now()
         self._ipc.cleanup()
 

@@ -103,8 +103,11 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     num_kv_blocks: int
     block_size: int
     load_time_s: float  # reading the weights
-    kv_sizing_time_s: float  # measuring memory and allocating the KV pool
+    kv_sizing_time_s: float  # sizing and allocating the KV pool, building the step runners
     warmup_time_s: float
+    prepare_time_s: float = 0.0  # installing linear methods and layer ops (packing weights)
+    imports_time_s: float = 0.0  # a worker process's imports of torch and the engine
+    setup_time_s: float = 0.0  # a worker process's fast paths (CPU kernels), parallel group
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):

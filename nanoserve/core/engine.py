@@ -49,16 +49,19 @@ class Engine:
         model, self.model_config, self.model_path = loader.load_model(
             config, self.device, tp=tp, weight_reader=fast_paths.weight_reader
         )
+        self.load_time_s = time.perf_counter() - started
+        logger.info("weights in %.2f s; preparing the layers' linear methods", self.load_time_s)
         fast_paths.prepare_model(model)  # linear methods and layer ops, layer by layer
+        self.prepare_time_s = time.perf_counter() - started - self.load_time_s
         self.model = model
         self.dtype = next(model.parameters()).dtype
-        self.load_time_s = time.perf_counter() - started
 
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.eos_token_ids = frozenset(
             set(self.model_config.eos_token_ids) | load_generation_config_eos(self.model_path)
         )
+        logger.info("layers prepared in %.2f s; sizing the KV cache", self.prepare_time_s)
         started = time.perf_counter()
         self.kv_cache, self.runner = self._build_runner(model, fast_paths, tp)
         self.kv_sizing_time_s = time.perf_counter() - started

@@ -121,7 +121,8 @@ def timed_h11_protocol(header_timeout_s: float, send_timeout_s: float) -> type[T
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server that calls `on_shutdown()` as soon as its shutdown begins."""
+    """uvicorn's server that calls `on_shutdown()` as soon as its shutdown begins, and runs the
+    app's lifespan shutdown (which stops the engine) even after a second Ctrl-C."""
 
     def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
         super().__init__(config)
@@ -130,3 +131,5 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets: list | None = None) -> None:
         self._on_shutdown()
         await super().shutdown(sockets)
+        if self.force_exit:  # uvicorn skipped it: it would be cancelled midway, a traceback
+            await self.lifespan.shutdown()

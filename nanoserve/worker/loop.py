@@ -34,7 +34,8 @@ class ServedEngine(Protocol):
     max_model_len: int
     vocab_size: int
     load_time_s: float  # reading the weights
-    kv_sizing_time_s: float  # measuring memory and allocating the KV pool
+    prepare_time_s: float  # installing linear methods and layer ops
+    kv_sizing_time_s: float  # sizing and allocating the KV pool, building the step runners
 
     def add_request(
         self,
@@ -101,8 +102,14 @@ def _handle(engine: ServedEngine, message: object, send: Callable[[msgspec.Struc
         raise TypeError(f"unexpected message for the engine loop: {type(message).__name__}")
 
 
-def ready_message(engine: ServedEngine, warmup_time_s: float) -> Ready:
-    """What the front learns once the engine is loaded and warmed up."""
+def ready_message(
+    engine: ServedEngine,
+    warmup_time_s: float,
+    imports_time_s: float = 0.0,
+    setup_time_s: float = 0.0,
+) -> Ready:
+    """What the front learns once the engine is loaded and warmed up (a worker process also
+    says how long its imports and its fast paths took)."""
     stats = engine.stats()
     return Ready(
         pid=os.getpid(),
@@ -113,4 +120,7 @@ def ready_message(engine: ServedEngine, warmup_time_s: float) -> Ready:
         load_time_s=engine.load_time_s,
         kv_sizing_time_s=engine.kv_sizing_time_s,
         warmup_time_s=warmup_time_s,
+        prepare_time_s=engine.prepare_time_s,
+        imports_time_s=imports_time_s,
+        setup_time_s=setup_time_s,
     )

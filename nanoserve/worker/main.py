@@ -14,15 +14,24 @@ import signal
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from nanoserve.common.config import EngineConfig
-from nanoserve.common.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, WorkerAddresses, WorkerFailed
+from nanoserve.common.protocol import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    Ready,
+    WorkerAddresses,
+    WorkerFailed,
+)
 from nanoserve.worker.heartbeat import HeartbeatThread
 from nanoserve.worker.loop import ready_message, serve_engine
 from nanoserve.worker.ranks import RankPlacement, make_engine, run_follower
 from nanoserve.worker.transport import WorkerSockets
+
+if TYPE_CHECKING:
+    from nanoserve.core.engine import Engine
 
 logger = logging.getLogger("nanoserve.worker")
 
@@ -35,15 +44,13 @@ def run_worker(
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
 ) -> int:
     """Body of the worker process (rank 0 of its engine); returns its exit code."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
+    ignore_ctrl_c()
     sockets = WorkerSockets(addresses)
     heartbeat = HeartbeatThread(sockets.context, addresses.to_front, heartbeat_interval_s)
     engine = None
     try:
-        engine = make_engine(config, placement or RankPlacement())
-        started = time.perf_counter()
-        engine.warm_up()
-        sockets.send(ready_message(engine, warmup_time_s=time.perf_counter() - started))
+        engine, ready = build_and_warm_up(config, placement or RankPlacement())
+        sockets.send(ready)
         heartbeat.start()
         # A front that died without saying Shutdown leaves this process to a new parent.
         serve_engine(engine, sockets.recv, sockets.send, lambda: os.getppid() != parent_pid)
@@ -61,6 +68,32 @@ def run_worker(
         if engine is not None:
             engine.shutdown()  # other ranks stop following; grammar threads end
         sockets.close()
+
+
+def ignore_ctrl_c() -> None:
+    """Ctrl-C is the front's to handle: it stops (or kills) this process. A handler that does
+    nothing, not SIG_IGN, which the processes this one starts would inherit: a compiler building
+    the CPU kernels still stops at a Ctrl-C in the terminal."""
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+
+
+def build_and_warm_up(config: EngineConfig, placement: RankPlacement) -> tuple[Engine, Ready]:
+    """The engine, built and warmed up, and its Ready message; each stage is logged as it
+    starts (the engine logs its own: weights, layers, KV cache) and timed for the front."""
+    started = time.perf_counter()
+    logger.info("importing torch and the engine")
+    import nanoserve.engine_setup  # noqa: F401  (torch, the core and the plug-ins: seconds)
+
+    imports_s = time.perf_counter() - started
+    logger.info("imports took %.2f s; choosing the fast paths, then loading the model", imports_s)
+    engine = make_engine(config, placement)
+    engine_s = engine.load_time_s + engine.prepare_time_s + engine.kv_sizing_time_s
+    setup_s = time.perf_counter() - started - imports_s - engine_s
+    logger.info("KV cache and step runners took %.2f s; warming up", engine.kv_sizing_time_s)
+    warm_up_started = time.perf_counter()
+    engine.warm_up()
+    warmup_s = time.perf_counter() - warm_up_started
+    return engine, ready_message(engine, warmup_s, imports_time_s=imports_s, setup_time_s=setup_s)
 
 
 def main(argv: list[str] | None = None) -> int:
