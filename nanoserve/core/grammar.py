@@ -34,6 +34,10 @@ class Grammar(Protocol):
         """Nothing but EOS can follow: the output is over."""
         ...
 
+    @property
+    def error(self) -> str:
+        """Why it refused the last token: the request ends with this error (not as output)."""
+
 
 @dataclass
 class GrammarMasks:

@@ -202,8 +202,6 @@ class Scheduler:
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is not None:
                 request.append_output_token(token_id)
-                if request.grammar is not None and not request.grammar.accept(token_id):
-                    request.finish_reason = FinishReason.ABORT  # a bug: the mask allowed it
                 self._check_stop(request, token_id)
             elif request.is_prompt_only and request.num_computed_tokens == request.num_tokens:
                 request.finish_reason = FinishReason.LENGTH  # the prompt ran; nothing to sample
@@ -217,8 +215,8 @@ class Scheduler:
 
     @staticmethod
     def _delta(request: Request, token_logprobs: TokenLogprobs | None) -> RequestDelta:
-        """What this step added to `request`: its new token (none when prompt-only); the first
-        delta also takes the request's prompt logprobs."""
+        """This step's token of `request` (none when prompt-only); the first: prompt logprobs."""
+        refused = request.grammar if request.finish_reason == FinishReason.ABORT else None
         is_first = request.num_output_tokens <= 1  # prompt-only requests send one delta, empty
         prompt_logprobs = None
         if is_first and request.sampling_params.prompt_logprobs is not None:
@@ -235,13 +233,15 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
             queue_time_s=queue_time_s if is_first else None,
             prompt_logprobs=prompt_logprobs,
+            error=(refused.error or "the grammar refused a token") if refused is not None else None,
         )
 
     def _check_stop(self, request: Request, token_id: int) -> None:
-        params = request.sampling_params
-        if request.finish_reason is not None:
+        params, grammar = request.sampling_params, request.grammar
+        if grammar is not None and not grammar.accept(token_id):
+            request.finish_reason = FinishReason.ABORT  # refused: an error, `_delta` says why
             return
-        if request.grammar is not None and request.grammar.is_terminated:
+        if grammar is not None and grammar.is_terminated:
             request.finish_reason = FinishReason.STOP  # nothing but EOS could follow
             return
         if request.num_output_tokens >= params.min_tokens:

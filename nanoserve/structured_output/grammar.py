@@ -42,4 +42,5 @@ class GrammarState:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        """llguidance's reason once it refused a token (a limit it hit, a token it forbids)."""
+        return self.matcher.get_error().split("\n<state>", 1)[0].strip()

@@ -43,7 +43,9 @@ def grammar_for(constraint: StructuredOutputsParams) -> str:
         if kind == "choice":
             assert constraint.choice is not None
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choice)
-            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+            # One terminal (a lexeme the lexer matches), not one rule per choice: a rule's
+            # alternatives all share a parser row, which llguidance caps at 2,000 items.
+            return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
         assert constraint.grammar is not None
         return llguidance.grammar_from("grammar", constraint.grammar)
     except (ValueError, TypeError) as e:

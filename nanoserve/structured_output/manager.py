@@ -1,8 +1,12 @@
 """Builds grammar matchers off the step loop and fills the step's token bitmask in the background.
 
-- `compile` returns a future: the tokenizer's token table (loaded once, on first use) and the
-  request's matcher are built on a thread, so a large schema never stalls the running batch.
-  The scheduler admits a constrained request only once its future is done.
+- `compile` returns a future: on one of MAX_CONCURRENT_COMPILES threads, a child process probes
+  the constraint first (`sandbox.py`: a grammar that crashes llguidance, or compiles past the
+  deadline, fails that request only), then the worker builds the matcher from the grammar the
+  probe compiled. A large schema never stalls the running batch, a slow one holds one thread of
+  the pool and never the others' constraints, and unconstrained requests never wait for any.
+  The scheduler admits a constrained request only once its future is done. The tokenizer's
+  token table is loaded once, on first use.
 - `start_masks` fills one bitmask row per constrained request of a step on another thread while
   the model's forward pass runs (llguidance releases the GIL); the runner waits for it only
   when it samples.
@@ -10,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import threading
@@ -19,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
-import llguidance.hf
 import msgspec
 import numpy as np
 import torch
@@ -27,7 +31,7 @@ import torch
 from nanoserve.common.sampling_params import StructuredOutputsParams
 from nanoserve.core.grammar import Grammar, GrammarMasks
 from nanoserve.structured_output.grammar import GrammarState
-from nanoserve.structured_output.grammars import grammar_for
+from nanoserve.structured_output.sandbox import COMPILE_TIMEOUT_S, GrammarSandbox
 
 if TYPE_CHECKING:
     from nanoserve.core.request import Request
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("nanoserve.structured")
 
 COMPILED_CACHE_SIZE = 64  # constraints whose compiled matcher is kept for the next requests
+# Constraints compiled at once (each probe holds a child process and a core while it runs).
+MAX_CONCURRENT_COMPILES = 2
 
 
 _NEG_INF_BITS = -8388608  # 0xFF800000 as an int32: the bits of float32 -inf
@@ -57,12 +63,23 @@ def bias_from_bitmask(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
 class StructuredOutputManager:
     """The worker's grammar engine: one token table, matchers per request, masks per step."""
 
-    def __init__(self, tokenizer_dir: Path, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        tokenizer_dir: Path,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
+        max_concurrent_compiles: int = MAX_CONCURRENT_COMPILES,
+    ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
+        self.compile_timeout_s = compile_timeout_s
+        self.max_concurrent_compiles = max_concurrent_compiles
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._sandbox: GrammarSandbox | None = None
         self._tokenizer_lock = threading.Lock()
+        self._is_shut_down = False
         self._compile_pool: ThreadPoolExecutor | None = None
         # Compiled matchers of recent constraints, by a hash of the constraint; LRU order.
         self._compiled: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()
@@ -81,7 +98,9 @@ class StructuredOutputManager:
             compiled = self._compiled.pop(key, None)
             if compiled is None:
                 if self._compile_pool is None:
-                    self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+                    self._compile_pool = ThreadPoolExecutor(
+                        self.max_concurrent_compiles, thread_name_prefix="grammar-compile"
+                    )
                 compiled = self._compile_pool.submit(self._build, constraint)
             self._compiled[key] = compiled  # the most recently used last
             while len(self._compiled) > COMPILED_CACHE_SIZE:
@@ -91,21 +110,40 @@ class StructuredOutputManager:
         return grammar
 
     def _build(self, constraint: StructuredOutputsParams) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_for(constraint), log_level=0)
-        if matcher.is_error():
+        """The probe first (it says why a constraint does not compile), then the matcher."""
+        try:
+            tokenizer, sandbox = self._token_table()
+            matcher = llguidance.LLMatcher(tokenizer, sandbox.probe(constraint), log_level=0)
+        except ValueError:
+            raise
+        except Exception as e:  # not the constraint's fault; it still fails this request only
+            logger.exception("compiling a structured output %s failed", constraint.kind)
+            raise ValueError(f"structured output {constraint.kind} did not compile: {e!r}") from e
+        if matcher.is_error():  # the probe built the same matcher: not expected
             raise ValueError(f"invalid structured output {constraint.kind}: {matcher.get_error()}")
         return matcher
 
-    def _tokenizer(self) -> llguidance.LLTokenizer:
+    def _token_table(self) -> tuple[llguidance.LLTokenizer, GrammarSandbox]:
+        """The token table (built once, from the checkpoint's fast tokenizer, as llguidance.hf
+        builds it) and the sandbox, whose children load the same table."""
         with self._tokenizer_lock:
-            if self._ll_tokenizer is None:
+            if self._is_shut_down:
+                raise ValueError("structured output is shutting down")
+            if self._ll_tokenizer is None or self._sandbox is None:
                 from nanoserve.text.tokenizer import load_tokenizer
 
                 hf_tokenizer: Any = load_tokenizer(self.tokenizer_dir)  # a fast tokenizer
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                backend = copy.copy(hf_tokenizer.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                tokenizer_json = backend.to_str()
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
                 )
-            return self._ll_tokenizer
+                self._sandbox = GrammarSandbox(
+                    tokenizer_json, self.vocab_size, self.eos_token_ids, self.compile_timeout_s
+                )
+            return self._ll_tokenizer, self._sandbox
 
     def start_masks(self, requests: list[Request]) -> Future[GrammarMasks] | None:
         """Fill the masks of the constrained `requests` (the step's sampling rows) on a thread."""
@@ -131,9 +169,14 @@ class StructuredOutputManager:
         return GrammarMasks(rows, bias_from_bitmask(bitmask, self.vocab_size))
 
     def shutdown(self) -> None:
+        """Stop both pools and kill the probe processes (a compile in flight fails)."""
         for pool in (self._compile_pool, self._mask_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        with self._tokenizer_lock:  # a token table being loaded is loaded first
+            self._is_shut_down = True
+            if self._sandbox is not None:
+                self._sandbox.close()
 
 
 def _copy_into(compiled: Future[llguidance.LLMatcher], grammar: Future[Grammar]) -> None:

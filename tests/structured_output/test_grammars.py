@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -13,9 +14,11 @@ from nanoserve.structured_output.manager import StructuredOutputManager
 
 
 @pytest.fixture(scope="module")
-def manager(tmp_path_factory: pytest.TempPathFactory) -> StructuredOutputManager:
+def manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StructuredOutputManager]:
     checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3")
-    return StructuredOutputManager(Path(checkpoint), 320, frozenset({258}))
+    manager = StructuredOutputManager(Path(checkpoint), 320, frozenset({258}))
+    yield manager
+    manager.shutdown()  # its probe processes end with it
 
 
 def check_constraint(manager: StructuredOutputManager, constraint: StructuredOutputsParams):

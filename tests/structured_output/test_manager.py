@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +23,11 @@ class FakeRequest:
 
 
 @pytest.fixture(scope="module")
-def manager(tmp_path_factory: pytest.TempPathFactory) -> StructuredOutputManager:
+def manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StructuredOutputManager]:
     checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3")
-    return StructuredOutputManager(Path(checkpoint), VOCAB_SIZE, frozenset({EOS}))
+    manager = StructuredOutputManager(Path(checkpoint), VOCAB_SIZE, frozenset({EOS}))
+    yield manager
+    manager.shutdown()  # its probe processes end with it
 
 
 def allowed_ids(manager: StructuredOutputManager, grammar) -> set[int]:

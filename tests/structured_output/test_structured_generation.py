@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import jsonschema
@@ -61,10 +62,22 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3")
 
 
+_ENGINES: list[Engine] = []  # this test's engines, shut down when it ends
+
+
+@pytest.fixture(autouse=True)
+def _shut_down_engines() -> Iterator[None]:
+    yield
+    while _ENGINES:
+        _ENGINES.pop().shutdown()  # their grammar threads and probe processes end with them
+
+
 def make_engine(checkpoint, **overrides) -> Engine:
     args = {"model": str(checkpoint), "dtype": "float32", "device": "cpu", "max_model_len": 128}
     args.update(overrides)
-    return build_engine(EngineConfig(**args))
+    engine = build_engine(EngineConfig(**args))
+    _ENGINES.append(engine)
+    return engine
 
 
 def run(engine: Engine, params: list[SamplingParams]) -> dict[str, tuple[list[int], object]]:
@@ -182,3 +195,33 @@ def test_a_request_whose_grammar_is_being_built_is_passed_over(checkpoint) -> No
     while engine.has_unfinished_requests():
         deltas += engine.step()
     assert text_of([t for d in deltas for t in d.new_token_ids]) in ("red", "green")
+
+
+def late_wide_row_schema() -> dict:
+    """Refused by llguidance only once generation reaches the array (after a 40-character
+    key, deeper than the probe's walk): its first row holds one item per anyOf branch."""
+    branches = [
+        {"type": "object", "properties": {"k": {"const": i}}, "required": ["k"]}
+        for i in range(2001)
+    ]
+    key = "x" * 40
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    return {"type": "object", "properties": {key: array}, "required": [key]}
+
+
+def test_a_grammar_refused_after_admission_ends_its_request_with_an_error(checkpoint) -> None:
+    engine = make_engine(checkpoint)
+    late = StructuredOutputsParams(json=late_wide_row_schema())
+    engine.add_request("late", [1, 2], SamplingParams(seed=0, structured_outputs=late))
+    engine.add_request("free", [1, 3], SamplingParams(seed=1, max_tokens=8, ignore_eos=True))
+    deltas: dict[str, list] = {"late": [], "free": []}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            deltas[delta.request_id].append(delta)
+    *_, last = deltas["late"]
+    assert last.finish_reason == FinishReason.ABORT
+    assert "Current row has" in (last.error or "") and "max is 2000" in (last.error or "")
+    assert all(d.error is None for d in deltas["late"][:-1])  # output until then, then the error
+    assert sum(len(d.new_token_ids) for d in deltas["free"]) == 8  # the other one ran on
+    assert deltas["free"][-1].finish_reason == FinishReason.LENGTH
+    assert engine.stats().kv_cache_usage == 0.0
