@@ -11,9 +11,11 @@ Only the standard library and httpx: the client never imports torch or the serve
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,13 +30,24 @@ DEFAULT_HISTORY_FILE = "~/.nanoserve_chat_history"
 # left to the conversation, so that the next turn still fits.
 REPLY_SHARE_OF_CONTEXT = 4
 MAX_DEFAULT_REPLY_TOKENS = 512
+# What /help, `chat --help` and `/max` alone say of that default: one text, so they agree.
+DEFAULT_REPLY_LIMIT = (
+    f"1/{REPLY_SHARE_OF_CONTEXT} of the model's context, at most {MAX_DEFAULT_REPLY_TOKENS} "
+    "tokens, so that the next turn fits; the server's own limit where /v1/models does not "
+    "say the context length"
+)
 
-HELP = """\
+_MAX_HELP = ("\n" + " " * 17).join(  # lines that start where each command's description does
+    textwrap.wrap(
+        f"at most N tokens per reply (/max alone: the default, {DEFAULT_REPLY_LIMIT})", 80
+    )
+)
+HELP = f"""\
 Type a message and press Enter. Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the prompt quits.
   /reset         forget the conversation (and the raw-mode text)
   /system TEXT   set the system prompt (/system alone removes it)
   /temp X        sampling temperature, e.g. 0 for greedy (/temp alone: the server's default)
-  /max N         at most N tokens per reply (/max alone: the server's default)
+  /max N         {_MAX_HELP}
   /raw           switch raw completion mode on or off: what you type is appended to the text so
                  far and the model continues it (/v1/completions, for base models); an empty
                  line lets the model continue
@@ -58,6 +71,7 @@ class ChatSession:
         self.model_cards: list[dict[str, Any]] | None = None  # /v1/models, fetched once
         self.raw_text = ""  # raw mode: everything typed and generated so far
         self.use_color = use_color
+        self.num_dropped_exchanges = 0  # left out to fit the context, since the last /reset
 
     # -- output
 
@@ -117,6 +131,7 @@ class ChatSession:
         elif name == "/reset":
             self.messages.clear()
             self.raw_text = ""
+            self.num_dropped_exchanges = 0
             self.info("conversation cleared")
         elif name == "/system":
             self.system = arg or None
@@ -126,7 +141,7 @@ class ChatSession:
             self.info(f"temperature: {_or_default(self.temperature)}")
         elif name == "/max":
             self.max_tokens = _parse_number(arg, int, "/max", "a whole number ≥ 1, e.g. 256")
-            self.info(f"max tokens per reply: {_or_default(self.max_tokens)}")
+            self.info(f"max tokens per reply: {self.describe_reply_limit()}")
         elif name == "/raw":
             self.is_raw = not self.is_raw
             self.info("raw completion mode (/raw again for chat)" if self.is_raw else "chat mode")
@@ -179,9 +194,21 @@ class ChatSession:
             return self.max_tokens
         return min(MAX_DEFAULT_REPLY_TOKENS, self.max_model_len // REPLY_SHARE_OF_CONTEXT)
 
-    def request_messages(self) -> list[dict[str, str]]:
+    def describe_reply_limit(self) -> str:
+        """The reply limit in force: /max's, or the default's number and what it is."""
+        if self.max_tokens is not None:
+            return str(self.max_tokens)
+        limit = self.reply_max_tokens
+        if limit is None:
+            return "the server's own (/v1/models does not say the context length)"
+        return f"{limit} (the default: {DEFAULT_REPLY_LIMIT})"
+
+    def request_messages(
+        self, messages: list[dict[str, str]] | None = None
+    ) -> list[dict[str, str]]:
+        """The system prompt, if any, then `messages` (default: the conversation)."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + self.messages
+        return system + (self.messages if messages is None else messages)
 
     def request_body(self, **fields: Any) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.resolve_model(), **fields, "stream": True}
@@ -193,33 +220,46 @@ class ChatSession:
         return {**body, **self.extra_body}
 
     def chat(self, text: str) -> None:
-        """Send the conversation and `text`; while it outgrows the context, drop the oldest
-        exchange and send it again."""
+        """Send the conversation and `text`; while they outgrow the context, send them again
+        without the oldest exchange. Those left out are dropped once the server takes the
+        request: a message that cannot fit even alone leaves the conversation as it was."""
         question = {"role": "user", "content": text}
-        num_dropped = 0
+        num_left_out = 0  # exchanges, from the oldest
         while True:
-            body = self.request_body(messages=[*self.request_messages(), question])
+            kept = self.messages[2 * num_left_out :]
+            body = self.request_body(messages=[*self.request_messages(kept), question])
             try:
-                reply, stats = self.stream_reply("/v1/chat/completions", body, chat_text)
+                drop_left_out = functools.partial(self.drop, num_left_out)
+                reply, stats = self.stream_reply(
+                    "/v1/chat/completions", body, chat_text, drop_left_out
+                )
                 break
             except ClientError as e:
                 if not e.is_context_overflow:
                     raise
-                if len(self.messages) < 2:
+                if not kept:
                     raise ClientError(
                         f"{e} (this message and a reply of up to {self.reply_max_tokens} tokens "
-                        "do not fit the model's context on their own: shorten it or lower /max)"
+                        "do not fit the model's context on their own: shorten it or lower /max; "
+                        "the conversation is kept)"
                     ) from None
-                del self.messages[:2]
-                num_dropped += 1
-                self.info(
-                    f"the conversation outgrew the model's context ({self.max_model_len} tokens)"
-                    f": dropped the oldest exchange ({num_dropped} so far; /reset forgets all)"
-                )
+                num_left_out += 1
         # An unanswered message (error, or ^C before any text) is left out, so that the user can
         # send it again; an interrupted reply is kept as far as it was shown.
         if reply or not stats.is_interrupted:
             self.messages += [question, {"role": "assistant", "content": reply}]
+
+    def drop(self, num_exchanges: int) -> None:
+        """Forget the oldest exchanges (the server took the conversation without them)."""
+        if num_exchanges == 0:
+            return
+        del self.messages[: 2 * num_exchanges]
+        self.num_dropped_exchanges += num_exchanges
+        what = "the oldest exchange" if num_exchanges == 1 else f"{num_exchanges} oldest exchanges"
+        self.info(
+            f"the conversation outgrew the model's context ({self.max_model_len} tokens): "
+            f"dropped {what} ({self.num_dropped_exchanges} so far; /reset forgets all)"
+        )
 
     def complete_raw(self, text: str) -> None:
         body = self.request_body(prompt=self.raw_text + text)
@@ -241,9 +281,11 @@ class ChatSession:
         path: str,
         body: dict[str, Any],
         text_of: Callable[[dict[str, Any]], tuple[str, str]],
+        on_accepted: Callable[[], None] = lambda: None,
     ) -> tuple[str, ReplyStats]:
-        """Print a streamed reply as it comes, then its stats line; its text and stats."""
-        text, stats = stream_reply(self.server, path, body, text_of, self.dim)
+        """Print a streamed reply as it comes, then its stats line; its text and stats.
+        `on_accepted` runs when the server's first chunk arrives, before any text."""
+        text, stats = stream_reply(self.server, path, body, text_of, self.dim, on_accepted)
         self.info(stats.describe())
         return text, stats
 
@@ -290,9 +332,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens",
         type=int,
-        help=f"most tokens per reply (default: 1/{REPLY_SHARE_OF_CONTEXT} of the model's "
-        f"context, at most {MAX_DEFAULT_REPLY_TOKENS}, so that the next turn fits; the server's own"
-        " when /v1/models does not give the context length)",
+        help=f"most tokens per reply; /max changes it (default: {DEFAULT_REPLY_LIMIT})",
     )
     parser.add_argument("--raw", action="store_true", help="start in raw completion mode")
     parser.add_argument(

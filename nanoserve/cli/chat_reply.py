@@ -47,16 +47,20 @@ def stream_reply(
     body: dict[str, Any],
     text_of: Callable[[dict[str, Any]], tuple[str, str]],
     dim: Callable[[str], str],
+    on_accepted: Callable[[], None] = lambda: None,
 ) -> tuple[str, ReplyStats]:
     """Print a streamed reply as it comes (reasoning through `dim`); its text and stats.
-    Ctrl-C ends it early."""
+    `on_accepted` runs once, at the first chunk (the server took the request). Ctrl-C ends
+    the reply early."""
     stats = ReplyStats()
     pieces: list[str] = []
     num_chunks = 0
     start = first = last = time.perf_counter()
     chunks = server.stream(path, body)
     try:
-        for chunk in chunks:
+        for index, chunk in enumerate(chunks):
+            if index == 0:
+                on_accepted()
             if chunk.get("usage"):
                 stats.num_prompt_tokens = chunk["usage"].get("prompt_tokens")
                 stats.num_tokens = chunk["usage"].get("completion_tokens") or 0
