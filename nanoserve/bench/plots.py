@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import cast
 
@@ -16,8 +17,9 @@ def plot(
     rows: list[dict],
     out_dir: Path,
 ) -> list[str]:
-    """PNG plots: throughput and TTFT p50/p99 against concurrency (where there are several
-    levels) and the TTFT distribution of every arm. Returns the file names written."""
+    """PNG plots: output throughput (all streams together, and each stream) and TTFT p50/p99
+    against concurrency (where there are several levels), and the TTFT distribution of every
+    arm. Returns the file names written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -31,18 +33,59 @@ def plot(
     return written
 
 
+# The two throughputs the tables show, as the throughput plot names them: every stream's output
+# tokens over the phase's wall time (sweep's "output tok/s", scoreboard's "N streams: total
+# tok/s"), and each request's tokens over its own time, averaged (scoreboard's "single-stream
+# tok/s" at concurrency 1, "N streams: tok/s each" beyond).
+THROUGHPUTS = {
+    "all streams": "output_throughput",
+    "each stream": "per_stream_tok_s_mean",
+}
+THROUGHPUT_NOTE = (
+    "all streams: output tokens / phase time; each stream: a request's tokens / its time, mean"
+)
+
+
+def throughput_series(
+    workload: Workload, arm_results: dict[str, PhaseResults]
+) -> dict[str, dict[str, list[float]]]:
+    """{arm: {"all streams": [...], "each stream": [...]}}, one value per phase (concurrency
+    level), computed as the tables compute them (NaN, a gap in the line, where none was)."""
+    series: dict[str, dict[str, list[float]]] = {}
+    for arm, phases in arm_results.items():
+        summaries = [summarize(*phases[p.label]) for p in workload.phases]
+        series[arm] = {
+            name: [math.nan if s[key] is None else s[key] for s in summaries]
+            for name, key in THROUGHPUTS.items()
+        }
+    return series
+
+
 def _plot_against_concurrency(
     workload: Workload, arm_results: dict[str, PhaseResults], levels: list[int], out_dir: Path
 ) -> list[str]:
-    """Output throughput and TTFT p50/p99 of every arm at each concurrency level."""
+    """Output throughput (all streams and each stream) and TTFT p50/p99 of every arm at each
+    concurrency level."""
     import matplotlib.pyplot as plt
 
     written = []
-    fig_tp, ax_tp = plt.subplots(figsize=(6, 4))
+    fig_tp, ax_tp = plt.subplots(figsize=(6, 4.4))
     fig_ttft, ax_ttft = plt.subplots(figsize=(6, 4))
+    for arm, throughputs in throughput_series(workload, arm_results).items():
+        (total,) = ax_tp.plot(
+            levels, throughputs["all streams"], marker="o", label=f"{arm}: all streams"
+        )
+        ax_tp.plot(
+            levels,
+            throughputs["each stream"],
+            marker="x",
+            linestyle="--",
+            color=total.get_color(),
+            label=f"{arm}: each stream",
+        )
+    fig_tp.text(0.5, 0.01, THROUGHPUT_NOTE, ha="center", fontsize=7)
     for arm, phases in arm_results.items():
         summaries = [summarize(*phases[p.label]) for p in workload.phases]
-        ax_tp.plot(levels, [s["output_throughput"] for s in summaries], marker="o", label=arm)
         (line,) = ax_ttft.plot(
             levels, [s["ttft_ms"]["p50"] for s in summaries], marker="o", label=f"{arm} p50"
         )
@@ -66,7 +109,7 @@ def _plot_against_concurrency(
         ax.set_title(f"{workload.name}: {ylabel} against concurrency")
         ax.grid(True, alpha=0.3)
         ax.legend()
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.04, 1, 1))  # room for the throughput plot's note
         fig.savefig(out_dir / name, dpi=120)
         plt.close(fig)
         written.append(name)

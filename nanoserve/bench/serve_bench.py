@@ -30,13 +30,26 @@ from nanoserve.bench.workloads import PromptMaker, Workload
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`nanoserve bench`: 0 when every arm ran, 1 when one failed, 2 on a usage error."""
+    """`nanoserve bench`: 0 when every arm ran, 1 when one failed, 2 on a usage error, 130 when
+    interrupted (Ctrl-C, or SIGTERM while servers run): one line, once every server it started
+    is stopped and its temporary files are gone."""
     args = parse_args(argv)
     try:
         arms, baseline = _arms_and_baseline(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _run(args, argv, arms, baseline)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(
+    args: argparse.Namespace, argv: list[str] | None, arms: list[ArmSpec], baseline: str
+) -> int:
+    """Every arm through every workload, then the results written and printed."""
     with tempfile.TemporaryDirectory(prefix="nanoserve-bench-") as tmp:
         model_dir, run_info = _prepare_model(args, Path(tmp))
         run_info = _run_info(args, argv, model_dir, run_info)
