@@ -1,5 +1,6 @@
 """Tokenizer work runs beside the event loop: the same ids as the tokenizer, computed on another
-thread, and other streams keep their inter-token latency while a huge prompt is tokenized."""
+thread, and other streams keep flowing while a huge prompt is tokenized (no gap as long as a
+tokenization, which the event loop doing it would make)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from nanoserve.text.tokenizer import load_tokenizer
 
 HUGE_CHARS = 2_000_000  # ~ seconds of tokenizing with the byte-level tokenizer
 NUM_BASELINE_GAPS = 30  # token gaps of the stream measured before the huge prompts
+# No gap of a stream may last a quarter of the time the two huge prompts took.
+LONGEST_GAP_SHARE = 4
 
 
 def test_the_pool_encodes_and_decodes_on_its_own_thread(tmp_path: Path) -> None:
@@ -79,8 +82,9 @@ def gaps(streams: list[list[float]], start: float, end: float) -> list[float]:
     return found
 
 
-async def measure(url: str) -> tuple[list[float], list[float], list[int]]:
-    """Token gaps of a stream before and while two huge prompts are processed."""
+async def measure(url: str) -> tuple[list[float], list[float], float, list[int]]:
+    """Token gaps of a stream before and while two huge prompts are processed, how long those
+    took, and their statuses."""
     async with httpx.AsyncClient(timeout=120) as client:
         streams: list[list[float]] = []
         streaming = asyncio.create_task(token_times(client, url, streams))
@@ -105,6 +109,7 @@ async def measure(url: str) -> tuple[list[float], list[float], list[int]]:
     return (
         gaps(streams, baseline_start, busy_start),
         gaps(streams, busy_start, busy_end),
+        busy_end - busy_start,
         statuses,
     )
 
@@ -112,10 +117,12 @@ async def measure(url: str) -> tuple[list[float], list[float], list[int]]:
 def test_streams_keep_their_pace_while_a_huge_prompt_is_tokenized(
     big_prompt_server: InProcessServer,
 ) -> None:
-    baseline, busy, statuses = asyncio.run(measure(big_prompt_server.url))
+    baseline, busy, busy_s, statuses = asyncio.run(measure(big_prompt_server.url))
     assert statuses == [400, 400]  # tokenized, then refused: over the 1024-token context
     assert len(busy) >= 20, "the huge prompts took no time: nothing was measured"
-    # Generous bounds for a shared machine; on the event loop, one gap was the whole
-    # tokenization (seconds).
-    assert statistics.median(busy) < 3 * statistics.median(baseline) + 0.01, (baseline, busy)
+    # Tokenizing on the event loop stalls every stream for the whole of one prompt's
+    # tokenization, about half of the two prompts' time: that gap is the bug. A busy machine
+    # slows every gap (the typical one here was 25 ms against 5-14 ms quiet), never into this.
+    context = (statistics.median(baseline), statistics.median(busy), busy_s)
+    assert max(busy) < busy_s / LONGEST_GAP_SHARE, context
     assert max(busy) < 1.0, busy
