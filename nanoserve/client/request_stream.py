@@ -15,7 +15,11 @@ from nanoserve.common.protocol import RequestDelta
 
 
 def merge_deltas(earlier: RequestDelta, later: RequestDelta) -> RequestDelta:
-    """One delta with the tokens of both, in order; the later one's ending."""
+    """One delta with the tokens of both, in order; the later one's ending.
+
+    What only a request's first delta carries (cached tokens, queue time, prompt logprobs) is
+    the earlier one's; an error is whichever delta has one.
+    """
     logprobs = None
     if earlier.logprobs is not None or later.logprobs is not None:
         logprobs = [*(earlier.logprobs or []), *(later.logprobs or [])]
@@ -28,6 +32,12 @@ def merge_deltas(earlier: RequestDelta, later: RequestDelta) -> RequestDelta:
         stop_reason=later.stop_reason,
         num_cached_tokens=earlier.num_cached_tokens,  # set on a request's first delta
         queue_time_s=first_queue_time if first_queue_time is not None else later.queue_time_s,
+        prompt_logprobs=(
+            earlier.prompt_logprobs
+            if earlier.prompt_logprobs is not None
+            else later.prompt_logprobs
+        ),
+        error=later.error if later.error is not None else earlier.error,
     )
 
 

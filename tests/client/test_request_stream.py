@@ -28,6 +28,18 @@ def test_merge_keeps_order_and_the_ends() -> None:
     assert plain.logprobs is None and plain.queue_time_s == 0.25
 
 
+def test_merge_keeps_the_first_deltas_prompt_logprobs_and_any_error() -> None:
+    """An echo's prompt logprobs ride on the first delta: a reader that falls behind by one
+    step must still get them (they were dropped, and the echoed prompt came back unscored)."""
+    prompt = [logprobs(7), logprobs(8)]
+    first = RequestDelta("a-0", [1], [logprobs(1)], queue_time_s=0.5, prompt_logprobs=prompt)
+    merged = merge_deltas(first, RequestDelta("a-0", [2], [logprobs(2)]))
+    assert [e.token_id for e in merged.prompt_logprobs or []] == [7, 8]
+    failed = RequestDelta("a-0", [], finish_reason=int(FinishReason.ABORT), error="refused")
+    assert merge_deltas(first, failed).error == "refused"
+    assert merge_deltas(RequestDelta("b", [], error="bad"), RequestDelta("b", [])).error == "bad"
+
+
 def test_an_unread_stream_stays_one_delta_per_choice() -> None:
     async def scenario() -> None:
         stream = RequestStream()
