@@ -197,3 +197,34 @@ def test_a_crashing_constraint_fails_only_its_own_requests(checkpoint: Path) -> 
             manager.compile(CRASHING["3,000 chained rules"]).result(timeout=1)
     finally:
         manager.shutdown()
+
+
+def test_the_fronts_bounds_are_llguidances_own(sandbox: GrammarSandbox) -> None:
+    """The front's limits (it never imports llguidance) against llguidance itself."""
+    import llguidance
+
+    from nanoserve.server.openai import constraint_limits as limits
+
+    llguidance_limits = llguidance.LLParserLimits()
+    assert llguidance_limits.max_items_in_row == limits.MAX_ALTERNATIVES
+    assert llguidance_limits.initial_lexer_fuel - 1 == limits.MAX_REPEAT_COUNT
+
+    def branches(num: int) -> StructuredOutputsParams:
+        objects = [
+            {"type": "object", "properties": {"k": {"const": i}}, "required": ["k"]}
+            for i in range(num)
+        ]
+        return StructuredOutputsParams(json={"anyOf": objects})
+
+    assert sandbox.probe(branches(limits.MAX_ALTERNATIVES))  # the most the front lets through
+    with pytest.raises(ValueError, match="max is 2000"):
+        sandbox.probe(branches(limits.MAX_ALTERNATIVES + 1))
+    # Branches that open with more items each are refused sooner: by the probe, not the front.
+    optional = {
+        "anyOf": [{"type": "object", "properties": {"k": {"const": i}}} for i in range(200)]
+    }
+    with pytest.raises(ValueError, match="max is 2000"):
+        sandbox.probe(StructuredOutputsParams(json=optional))
+    rules = StructuredOutputsParams(grammar=rule_chain(limits.MAX_GRAMMAR_RULES - 2))
+    assert sandbox.probe(rules)  # as many chained rules as the front allows: no crash
+    assert sandbox.probe(StructuredOutputsParams(json=ref_chain(limits.MAX_SCHEMA_DEPTH // 2)))

@@ -76,27 +76,31 @@ async def start_chat(
     check_capacity(model, body.n, "n")  # before the template renders anything
     config = model.config
     tools = plan_tools(body, config.tool_call_parser, config.enable_auto_tool_choice)
+    constraint = request_constraint(body, tools.constraint)  # bounded before the template runs
     prompt = await chat_prompt(model, body, tools.template_tools)
-    params, constraint = _sampling_params(model, body, len(prompt), tools)
+    params = _sampling_params(model, body, len(prompt), tools, constraint)
     run = await start_run(model, request, [prompt], [params], "chatcmpl", constraint)
     return run, tools
 
 
 def _sampling_params(
-    model: ServedModel, body: ChatCompletionRequest, num_prompt: int, tools: ToolPlan
-) -> tuple[SamplingParams, Constraint | None]:
-    """max_completion_tokens (or the older max_tokens), logprobs and any constraint."""
+    model: ServedModel,
+    body: ChatCompletionRequest,
+    num_prompt: int,
+    tools: ToolPlan,
+    constraint: Constraint | None,
+) -> SamplingParams:
+    """max_completion_tokens (or the older max_tokens), logprobs and the constraint."""
     param, max_tokens = "max_completion_tokens", body.max_completion_tokens
     if max_tokens is None:
         param, max_tokens = "max_tokens", body.max_tokens
     max_tokens = max_tokens_for(model, num_prompt, max_tokens, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    constraint = request_constraint(body, tools.constraint)
     structured = constraint.params if constraint is not None else None
     params = sampling_params(model, body, max_tokens, logprobs, body.prompt_logprobs, structured)
     if tools.needs_special_tokens:  # the parser reads the model's tool-call tokens
         params = dataclasses.replace(params, skip_special_tokens=False)
-    return params, constraint
+    return params
 
 
 async def chat_completion(

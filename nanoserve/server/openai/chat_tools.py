@@ -25,6 +25,7 @@ from typing import Any
 from nanoserve.common.sampling_params import StructuredOutputsParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.openai.api_models import ChatCompletionRequest, ChatTool
+from nanoserve.server.openai.constraint_limits import MAX_ALTERNATIVES
 from nanoserve.server.openai.tool_parsers import (
     TOOL_PARSERS,
     NamedToolCallParser,
@@ -74,6 +75,13 @@ def plan_tools(
             needs_special_tokens=parser_class.needs_special_tokens,
         )
     if choice == "required":
+        if len(tools) > MAX_ALTERNATIVES:  # each tool is one branch of the forcing grammar
+            raise APIError(
+                f'tool_choice "required" chooses among at most {MAX_ALTERNATIVES} tools, got '
+                f"{len(tools)}",
+                400,
+                "tools",
+            )
         schema = required_calls_schema(tools, request.parallel_tool_calls)
         return ToolPlan(
             template_tools, StructuredOutputsParams(json=schema), RequiredToolCallParser

@@ -87,8 +87,8 @@ async def start_completion(
     items = prompt_items(body)
     # Before any tokenizing: every choice of every prompt must fit in the waiting queue.
     check_capacity(model, len(items) * body.n, "n" if body.n > 1 else "prompt")
+    constraint = request_constraint(body)  # bounded before anything is tokenized
     prompts, texts = await _prompts(model, body, items, fim_ids)
-    constraint = request_constraint(body)
     params = [_sampling_params(model, body, len(prompt), constraint) for prompt in prompts]
     run = await start_run(model, request, prompts, params, "cmpl", constraint)
     return run, texts

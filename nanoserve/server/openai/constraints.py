@@ -3,9 +3,11 @@
 Three spellings reach the same constraint: vLLM's `structured_outputs`, its older `guided_*`
 fields, and OpenAI's `response_format` (`json_object`, `json_schema`); a required or named
 `tool_choice` adds one of the server's own. At most one may be given. The front checks what it
-can see without compiling: one kind, and a non-empty value. The worker compiles the grammar
-(once per content); one that does not compile comes back as the run's first event, an error the
-front answers with a 400 naming the `Constraint.param` that gave it (`request_run.start_run`).
+can see without compiling: one kind, a non-empty value, and the bounds of what the grammar
+engine can take (`constraint_limits.py`: size, depth, branches, rules, repetitions). The worker
+compiles the grammar (once per content); one that does not compile comes back as the run's
+first event, an error the front answers with a 400 naming the `Constraint.param` that gave it
+(`request_run.start_run`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from nanoserve.common.sampling_params import StructuredOutputsParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.openai.api_models import SamplingFields
+from nanoserve.server.openai.constraint_limits import check_constraint
 
 GUIDED_FIELDS = {
     "guided_json": "json",
@@ -49,6 +52,7 @@ def request_constraint(
             requested.param,
         )
     if forced is not None:
+        check_constraint(forced, "tools")
         return Constraint(forced, "tools")
     return requested
 
@@ -75,6 +79,7 @@ def _requested_constraint(request: SamplingFields) -> Constraint | None:
     except (ValueError, TypeError) as e:
         raise APIError(str(e), 400, param) from None
     _check_not_empty(params, param)
+    check_constraint(params, param)
     return Constraint(params, param)
 
 
