@@ -232,6 +232,8 @@ class InProcessServer:
         self._sock.close()
         _detach_log(self._log_handler)
         is_clean = not self._thread.is_alive() and not self.client.is_running
+        if is_clean:  # built here, released here, as a worker releases its engine
+            self.client.engine.shutdown()
         return 0 if is_clean else 1
 
     def __enter__(self) -> InProcessServer:
