@@ -217,5 +217,7 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="where the llamacpp arm builds llama-server once (~10 minutes on 2 cores)",
     )
     servers.add_argument(
-        "--llamacpp-server", type=Path, help="a llama-server binary to use instead of building one"
+        "--llamacpp-server",
+        type=Path,
+        help="a llama-server binary to use (default: one built from llama-cpp-python's source)",
     )
