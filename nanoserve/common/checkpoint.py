@@ -120,6 +120,10 @@ def _download(
     except Exception as error:  # network, auth, unknown repo, offline cache miss: all reported
         reason = " ".join(f"{type(error).__name__}: {error}".split())  # one line, always
         failed = f"could not fetch model {model!r} from the Hugging Face Hub ({reason})"
+        if model in available_presets():  # the name is right: the download is what failed
+            raise ModelLoadError(
+                f"{failed}; --load-format dummy serves its shape with random weights, no download"
+            ) from error
         meant = _name_meant(model)
         if meant is not None:
             raise ModelLoadError(f"{failed}; did you mean {meant!r}?") from error

@@ -287,3 +287,7 @@ def test_a_hub_miss_is_one_line_and_names_a_known_model_it_resembles(monkeypatch
     with pytest.raises(ModelLoadError) as raised:
         resolve_checkpoint("someone/missing-model")
     assert "\n" not in str(raised.value) and "did you mean" not in str(raised.value)
+    with pytest.raises(ModelLoadError) as raised:  # a preset's own id: not "did you mean" itself
+        resolve_checkpoint("Qwen/Qwen3-0.6B")
+    message = str(raised.value)
+    assert "did you mean" not in message and message.endswith("random weights, no download")
