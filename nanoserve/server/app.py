@@ -49,6 +49,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client.on_stats = metrics.update_engine_stats
+        client.on_step_tokens = metrics.observe_step
+        client.on_ready = metrics.engine_ready
         await client.start()
         try:
             yield
