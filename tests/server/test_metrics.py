@@ -12,7 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import InProcessServer, read_metrics
 
-from nanoserve.server.metrics import build_1_2_5_buckets
+from nanoserve.common.protocol import Ready
+from nanoserve.server.metrics import RequestTimes, ServerMetrics, build_1_2_5_buckets
 
 # The panel queries of vLLM's example dashboard, as written in
 # vllm-project/vllm: examples/online_serving/prometheus_grafana/grafana.json
@@ -207,3 +208,28 @@ def test_labelled_counters_start_at_zero_for_every_label(server: InProcessServer
         "local_compute", "local_cache_hit", "external_kv_transfer",
     }  # fmt: skip
     assert {s.labels[label] for s in samples} == expected
+
+
+def test_request_series_are_labelled_with_the_engine_that_ran_them() -> None:
+    metrics = ServerMetrics("m", num_engines=2)
+    metrics.engine_ready(Ready(1, 64, 300, 10, 16, 0.0, 0.0, 0.0))
+    times = RequestTimes(engine=1, num_prompt_tokens=5, n=1, max_tokens=3, arrival_time=10.0)
+    metrics.observe_delta(times, 1, now=10.5, queue_time_s=0.25, num_cached_tokens=2)
+    metrics.observe_delta(times, 2, now=11.5)
+    metrics.observe_finished(times, "length", now=11.5)
+    samples = {
+        (s.name, s.labels.get("engine"), s.labels.get("le")): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+    assert samples[("vllm:request_queue_time_seconds_sum", "1", None)] == 0.25
+    assert samples[("vllm:request_prefill_time_seconds_sum", "1", None)] == 0.25
+    assert samples[("vllm:request_decode_time_seconds_sum", "1", None)] == 1.0
+    assert samples[("vllm:request_inference_time_seconds_sum", "1", None)] == 1.25
+    assert samples[("vllm:e2e_request_latency_seconds_sum", "1", None)] == 1.5
+    assert samples[("vllm:request_time_per_output_token_seconds_sum", "1", None)] == 0.5
+    assert samples[("vllm:prompt_tokens_cached_total", "1", None)] == 2
+    assert samples[("vllm:request_prefill_kv_computed_tokens_sum", "1", None)] == 3
+    assert samples[("vllm:request_generation_tokens_sum", "1", None)] == 3
+    assert samples[("vllm:e2e_request_latency_seconds_count", "0", None)] == 0
+    assert samples[("vllm:request_prompt_tokens_bucket", "1", "5.0")] == 1  # 1, 2, 5, 10, 20, 50
