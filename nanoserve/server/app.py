@@ -15,7 +15,6 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from transformers import PreTrainedTokenizerBase
 
@@ -24,6 +23,7 @@ from nanoserve.client.engine_client import EngineClient
 from nanoserve.server import admin
 from nanoserve.server.auth import ApiKeyMiddleware
 from nanoserve.server.config import ServerConfig
+from nanoserve.server.cors import CorsMiddleware
 from nanoserve.server.errors import ClientDisconnected, install_error_handlers
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import chat, completions, responses
@@ -87,7 +87,7 @@ def add_middleware(app: FastAPI, config: ServerConfig, load: ServerLoad) -> None
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(
-        CORSMiddleware,
+        CorsMiddleware,
         allow_origins=list(config.allowed_origins),
         allow_methods=list(config.allowed_methods),
         allow_headers=list(config.allowed_headers),

@@ -93,7 +93,14 @@ def test_allowed_origins_and_credentials(narrow_server: InProcessServer) -> None
     assert allowed.headers["access-control-allow-origin"] == "http://app.test"
     assert allowed.headers["access-control-allow-credentials"] == "true"
     refused = preflight(narrow_server.url, "/v1/completions", "http://other.test")
-    assert refused.status_code == 400  # Starlette's "Disallowed CORS origin"
+    assert refused.status_code == 400
+    assert refused.json()["error"] == {
+        "message": "CORS preflight refused: its origin is not allowed here (the server's "
+        "--allowed-origins, --allowed-methods and --allowed-headers say what is)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": 400,
+    }
     assert "access-control-allow-origin" not in refused.headers
     plain = httpx.get(f"{narrow_server.url}/health", headers={"Origin": "http://other.test"})
     assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
