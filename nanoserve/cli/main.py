@@ -264,6 +264,11 @@ def server_config_from_args(args: argparse.Namespace, model: str, model_dir: Pat
         send_timeout_s=args.send_timeout,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        enable_server_load_tracking=args.enable_server_load_tracking,
         default_sampling=generation_defaults(args.generation_config, model_dir),
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 from typing import Any
@@ -107,7 +108,48 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error", "critical"],
         help="log level of the server and the worker",
     )
+    add_cors_and_load_flags(parser)
     add_limit_and_timeout_flags(parser)
+
+
+def json_string_list(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM's CORS flags take them: '["https://a.example"]'."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(
+            f"not a JSON list of strings: {text!r} (e.g. '[\"https://app.example\"]' or '[\"*\"]')"
+        )
+    return value
+
+
+def add_cors_and_load_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's CORS flags (every origin by default) and its server-load tracking."""
+    for flag, field, what in (
+        ("--allowed-origins", "allowed_origins", "origins a browser page may call the API from"),
+        ("--allowed-methods", "allowed_methods", "HTTP methods those pages may use"),
+        ("--allowed-headers", "allowed_headers", "request headers those pages may send"),
+    ):
+        default = list(config_default(ServerConfig, field))
+        parser.add_argument(
+            flag,
+            type=json_string_list,
+            default=default,
+            help=f"{what}, as a JSON list (CORS; default: {json.dumps(default)}, any)",
+        )
+    parser.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: let those pages send cookies and HTTP authentication",
+    )
+    parser.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="count the requests in flight on the generation routes for GET /load "
+        "(without it /load answers 0, as in vLLM)",
+    )
 
 
 def add_limit_and_timeout_flags(parser: argparse.ArgumentParser) -> None:

@@ -79,6 +79,7 @@ class DataParallelClient(EngineClient):
         """Start every engine in the background (each loads its own copy of the model)."""
         for engine in self.engines:
             engine.on_stats = self.on_stats
+            engine.on_step_tokens = self.on_step_tokens
             engine.on_ready = lambda info, e=engine: self._engine_ready(e, info)
             engine.on_start_failed = self._engine_failed_to_start
             await engine.start()
@@ -88,6 +89,8 @@ class DataParallelClient(EngineClient):
             self.info = info
         self._started.add(engine.engine_index)
         self.router.forget_engine(engine.engine_index)  # a new worker's cache is empty
+        if self.on_ready is not None:
+            self.on_ready(info)
 
     def _engine_failed_to_start(self, error: EngineStartError) -> None:
         """One engine could not start: the server stops, as with a single engine."""
@@ -115,11 +118,11 @@ class DataParallelClient(EngineClient):
         prompt_token_ids: list[int],
         params: SamplingParams,
         stream: RequestStream,
-    ) -> None:
+    ) -> int:
         if not self._is_accepting:
             raise EngineDeadError("the server is shutting down")
         engine = self.choose_engine(prompt_token_ids, remember=True)
-        engine.add_request(request_id, prompt_token_ids, params, stream)
+        return engine.add_request(request_id, prompt_token_ids, params, stream)
 
     def abort(self, request_ids: list[str]) -> None:
         """Each engine aborts those of the ids it serves (it knows its own)."""

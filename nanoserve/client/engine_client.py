@@ -24,6 +24,7 @@ from nanoserve.common.protocol import (
     AddRequest,
     EngineStats,
     Ready,
+    RequestDelta,
     RequestFailed,
     StepOutputs,
 )
@@ -58,10 +59,14 @@ class EngineClient:
         # Called with each step's stats and this engine's index (the metrics' `engine` label).
         self.on_stats: Callable[[EngineStats, int], None] | None = None
         self.on_ready: Callable[[Ready], None] | None = None  # each time an engine is ready
+        # Called with the tokens of each engine step that produced any, and the engine's index:
+        # those generated, and the prompts whose prefill the step ended (vLLM's count).
+        self.on_step_tokens: Callable[[int, int], None] | None = None
         self._is_ready = False
         self._is_accepting = True  # False once the server is shutting down
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream
-        self._unstarted_ids: set[str] = set()  # added, no token yet (waiting or in prefill)
+        # Added, no token yet (waiting or in prefill): engine request id -> its prompt's length.
+        self._unstarted: dict[str, int] = {}
         self._shutdown_timer: asyncio.TimerHandle | None = None
         self.start_error: EngineStartError | None = None  # why the first engine never got ready
         # Called once if the first engine fails before it is ready (the server then stops).
@@ -78,7 +83,7 @@ class EngineClient:
 
     @property
     def num_unstarted(self) -> int:
-        return len(self._unstarted_ids)
+        return len(self._unstarted)
 
     @property
     def num_engines(self) -> int:
@@ -111,18 +116,20 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         stream: RequestStream,
-    ) -> None:
-        """Queue one (n == 1) engine request; its deltas will arrive on `stream`."""
+    ) -> int:
+        """Queue one (n == 1) engine request; its deltas will arrive on `stream`. Returns the
+        index of the engine that runs it."""
         if not self._is_ready:
             raise EngineDeadError("the model worker is not ready")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = stream
-        self._unstarted_ids.add(request_id)
+        self._unstarted[request_id] = len(prompt_token_ids)
         message = AddRequest(request_id, list(prompt_token_ids), params, time.monotonic())
         if not self._send(message):
             self._remove(request_id)
             raise EngineDeadError("the model worker is not reachable")
+        return self.engine_index
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Take no new requests; those in flight get `grace_s` seconds to finish, then end.
@@ -149,19 +156,14 @@ class EngineClient:
             self._send(AbortRequests(live_ids))
 
     def _remove(self, request_id: str) -> bool:
-        self._unstarted_ids.discard(request_id)
+        self._unstarted.pop(request_id, None)
         return self._streams.pop(request_id, None) is not None
 
     def _on_message(self, message: msgspec.Struct) -> None:
         if isinstance(message, StepOutputs):
-            for delta in message.deltas:
-                stream = self._streams.get(delta.request_id)
-                if stream is None:
-                    continue  # aborted by the front; the worker had not seen the abort yet
-                self._unstarted_ids.discard(delta.request_id)
-                if delta.finish_reason is not None:
-                    del self._streams[delta.request_id]
-                stream.put(delta if delta.error is None else RequestRejectedError(delta.error))
+            num_tokens = self._route(message.deltas)
+            if num_tokens and self.on_step_tokens is not None:
+                self.on_step_tokens(num_tokens, self.engine_index)
             self.stats = message.stats
             if self.on_stats is not None:
                 self.on_stats(message.stats, self.engine_index)
@@ -173,9 +175,22 @@ class EngineClient:
         else:
             logger.warning("unexpected message from the worker: %s", type(message).__name__)
 
+    def _route(self, deltas: list[RequestDelta]) -> int:
+        """Each delta to its request's stream; the step's tokens, for `on_step_tokens`."""
+        num_tokens = 0
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue  # aborted by the front; the worker had not seen the abort yet
+            num_tokens += len(delta.new_token_ids) + self._unstarted.pop(delta.request_id, 0)
+            if delta.finish_reason is not None:
+                del self._streams[delta.request_id]
+            stream.put(delta if delta.error is None else RequestRejectedError(delta.error))
+        return num_tokens
+
     def _fail_all(self, error: Exception) -> None:
         streams = set(self._streams.values())
         self._streams.clear()
-        self._unstarted_ids.clear()
+        self._unstarted.clear()
         for stream in streams:
             stream.put(error)

@@ -1,4 +1,5 @@
-"""The routes around generation: health, version, metrics, models, tokenize and detokenize."""
+"""The routes around generation: health (/health, /ping), load (/load, /is_sleeping), version,
+metrics, models, tokenize and detokenize."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from nanoserve.server.openai.checks import check_model, check_prompt_chars, chec
 from nanoserve.server.openai.served_model import ServedModel
 from nanoserve.server.openapi import json_body_schema
 from nanoserve.server.request_body import read_json_body
+from nanoserve.server.server_load import ServerLoad
 
 
-def router(model: ServedModel) -> APIRouter:
-    """Health, version, metrics, the model list, tokenize and detokenize, for `model`."""
+def router(model: ServedModel, load: ServerLoad) -> APIRouter:
+    """Health, load, version, metrics, the model list, tokenize and detokenize, for `model`."""
     routes = APIRouter()
 
     @routes.get("/health")
@@ -32,6 +34,19 @@ def router(model: ServedModel) -> APIRouter:
         if not model.client.is_ready:
             return JSONResponse(error_body("the model worker is not ready", 503), status_code=503)
         return Response(status_code=200)
+
+    # vLLM's SageMaker-style health check: /health under another name, GET or POST.
+    for method in ("GET", "POST"):
+        routes.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method}")
+
+    @routes.get("/load")
+    async def server_load() -> dict[str, int]:
+        """Generation requests in flight (always 0 without --enable-server-load-tracking)."""
+        return {"server_load": load.num_in_flight}
+
+    @routes.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": False}  # there is no sleep mode: the weights stay loaded
 
     @routes.get("/version")
     async def version() -> dict[str, str]:

@@ -3,7 +3,8 @@
 `create_app` builds the one `ServedModel` (settings, engine client, tokenizer thread, metrics)
 and hands it to each API module, which gives back its routes:
 
-admin.py                /health /version /metrics /v1/models /tokenize /detokenize
+admin.py                /health /ping /load /is_sleeping /version /metrics /v1/models
+                        /tokenize /detokenize
 openai/completions.py   /v1/completions
 openai/chat.py          /v1/chat/completions
 openai/responses.py     /v1/responses, GET and DELETE /v1/responses/{id}
@@ -22,11 +23,13 @@ from nanoserve.client.engine_client import EngineClient
 from nanoserve.server import admin
 from nanoserve.server.auth import ApiKeyMiddleware
 from nanoserve.server.config import ServerConfig
+from nanoserve.server.cors import CorsMiddleware
 from nanoserve.server.errors import ClientDisconnected, install_error_handlers
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import chat, completions, responses
 from nanoserve.server.openai.response_store import ResponseStore
 from nanoserve.server.openai.served_model import ServedModel
+from nanoserve.server.server_load import ServerLoad, ServerLoadMiddleware
 from nanoserve.server.tokenizer_pool import TokenizerPool
 
 __all__ = ["ServerConfig", "create_app"]
@@ -49,6 +52,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client.on_stats = metrics.update_engine_stats
+        client.on_step_tokens = metrics.observe_step
+        client.on_ready = metrics.engine_ready
         await client.start()
         try:
             yield
@@ -64,10 +69,27 @@ def create_app(
         metrics.http_requests_client_disconnected.inc()
         return Response(status_code=499)  # nobody is listening any more
 
-    app.include_router(admin.router(model))
+    load = ServerLoad()
+    app.include_router(admin.router(model, load))
     app.include_router(completions.router(model))
     app.include_router(chat.router(model))
     app.include_router(responses.router(model, ResponseStore()))
+    add_middleware(app, config, load)
+    return app
+
+
+def add_middleware(app: FastAPI, config: ServerConfig, load: ServerLoad) -> None:
+    """The API key inside CORS, as the outermost layer: every answer, a 401 and an error
+    included, carries the CORS headers a browser needs to read it, and a preflight (`OPTIONS`
+    with `Access-Control-Request-Method`) is answered before the key is asked for (as vLLM)."""
+    if config.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, load=load)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    return app
+    app.add_middleware(
+        CorsMiddleware,
+        allow_origins=list(config.allowed_origins),
+        allow_methods=list(config.allowed_methods),
+        allow_headers=list(config.allowed_headers),
+        allow_credentials=config.allow_credentials,
+    )

@@ -1,4 +1,5 @@
-"""ServerConfig: what the HTTP front needs beyond the engine (names, limits, timeouts, the key).
+"""ServerConfig: what the HTTP front needs beyond the engine (names, limits, timeouts, the key,
+CORS).
 
 Light to import: the command line reads its defaults for its flags before anything heavy loads.
 """
@@ -14,7 +15,7 @@ from nanoserve.server.openai.tool_parsers import TOOL_PARSERS
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """What the HTTP front needs beyond the engine: names, limits, timeouts, the API key."""
+    """What the HTTP front needs beyond the engine: names, limits, timeouts, the API key, CORS."""
 
     model: str  # the checkpoint path or hub id, shown as `root` in /v1/models
     served_model_names: tuple[str, ...]
@@ -28,6 +29,12 @@ class ServerConfig:
     body_timeout_s: float = 60.0  # a request's whole body, once its headers are in
     send_timeout_s: float = 60.0  # a client that reads nothing while its send buffer is full
     tool_call_parser: str | None = None  # reads tool calls for tool_choice "auto"
+    # CORS, as vLLM's flags set it: every origin, method and header, no credentials.
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    enable_server_load_tracking: bool = False  # /load counts requests in generation routes
     enable_auto_tool_choice: bool = False
     # Sampling fields a request leaves unset take these (the model's generation_config.json
     # under --generation-config auto; see checkpoint.load_generation_defaults), then ours.
@@ -49,6 +56,10 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be ≥ 1, got {self.max_body_bytes}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be ≥ 1, got {self.max_prompt_chars}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = getattr(self, name)
+            if not all(isinstance(value, str) for value in values):
+                raise ValueError(f"{name} must be a list of strings, got {list(values)!r}")
         for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

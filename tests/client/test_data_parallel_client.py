@@ -92,3 +92,12 @@ def test_one_engine_is_a_plain_client() -> None:
         client._ipc.cleanup()
     with pytest.raises(ValueError, match="routing must be one of"):
         DataParallelClient(EngineConfig(model="m", data_parallel_size=2), routing="random")
+
+
+def test_each_engine_ready_is_reported(make_client) -> None:
+    client = make_client(size=2)
+    reported: list[Ready] = []
+    client.on_ready = reported.append  # the server's metrics learn max_model_len from it
+    set_ready(client, 0)
+    set_ready(client, 1)
+    assert reported == [READY, READY]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import time
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
-from servers import InProcessServer
+from servers import InProcessServer, read_metrics
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-alias"])
@@ -48,3 +53,68 @@ def test_a_request_without_a_model_name_is_served_by_the_default(
     assert response.status_code == 200, response.text
     if path != "/tokenize":
         assert response.json()["model"] == "tiny"
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_ping_is_health(server: InProcessServer, method: str) -> None:
+    response = httpx.request(method, f"{server.url}/ping", timeout=10)
+    assert (response.status_code, response.content) == (200, b"")
+
+
+def test_is_sleeping_is_false(server: InProcessServer) -> None:
+    assert httpx.get(f"{server.url}/is_sleeping", timeout=10).json() == {"is_sleeping": False}
+
+
+def current_load(url: str) -> int:
+    return httpx.get(f"{url}/load", timeout=10).json()["server_load"]
+
+
+def wait_for_load(url: str, expected: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (load := current_load(url)) != expected:
+        assert time.monotonic() < deadline, f"/load is {load}, not {expected}"
+        time.sleep(0.05)
+
+
+def unread_stream(port: int) -> socket.socket:
+    """A streamed completion whose client reads nothing (a small receive buffer): its answer
+    stays in flight until the socket closes."""
+    body = {"prompt": "hi", "max_tokens": 900, "n": 4, "ignore_eos": True, "stream": True}
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def test_load_is_zero_without_tracking(server: InProcessServer) -> None:
+    sock = unread_stream(server.port)
+    wait_for_load(server.url, 0)  # as vLLM without the flag
+    time.sleep(0.5)  # the stream runs meanwhile
+    assert current_load(server.url) == 0
+    sock.close()
+    deadline = time.monotonic() + 60  # the shared server is idle again for the next test
+    while read_metrics(server.url)["vllm:num_requests_running"]:
+        assert time.monotonic() < deadline, "the closed stream was never aborted"
+        time.sleep(0.05)
+
+
+def test_load_counts_generation_requests_in_flight(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with InProcessServer(tiny_model, log, "--enable-server-load-tracking") as server:
+        assert current_load(server.url) == 0
+        sockets = [unread_stream(server.port) for _ in range(2)]
+        wait_for_load(server.url, 2)
+        httpx.get(f"{server.url}/v1/models", timeout=10)  # not a generation route
+        assert current_load(server.url) == 2
+        sockets.pop().close()
+        wait_for_load(server.url, 1)
+        sockets.pop().close()
+        wait_for_load(server.url, 0)

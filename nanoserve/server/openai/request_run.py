@@ -26,7 +26,7 @@ from nanoserve.client.engine_client import EngineClient, RequestStream
 from nanoserve.common.protocol import RequestDelta
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.server.errors import ENGINE_ERRORS, ClientDisconnected, engine_error
-from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.metrics import RequestTimes, ServerMetrics
 from nanoserve.server.openai.api_models import StreamOptions, UsageInfo
 from nanoserve.server.openai.checks import check_capacity, check_prompt_logprobs_size
 from nanoserve.server.openai.constraints import Constraint
@@ -88,18 +88,21 @@ class RequestRun:
         self.arrival_time = time.monotonic()
         self.num_prompt_tokens = 0
         self.is_complete = False
+        self._is_closed = False
         self._first: RequestDelta | None = None  # taken by `wait_for_first_delta`, not applied
-        self._last_token_time: dict[str, float] = {}
+        self._times: dict[str, RequestTimes] = {}  # engine request id -> what metrics need
 
     def add_prompt(self, prompt_token_ids: list[int], params: SamplingParams, index: int) -> None:
         """Send the engine one request per choice of prompt `index`."""
         requests = self.processor.add_request(self.request_id, prompt_token_ids, params, index)
         for request in requests:
-            self.client.add_request(
+            engine = self.client.add_request(
                 request.request_id, request.prompt_token_ids, request.params, self.stream
             )
+            self._times[request.request_id] = RequestTimes(
+                engine, len(prompt_token_ids), params.n, params.max_tokens, self.arrival_time
+            )
         self.num_prompt_tokens += len(prompt_token_ids)
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
 
     async def wait_for_first_delta(self) -> None:
         """Wait until the engine has answered: its first delta, or the error that ends the run."""
@@ -140,28 +143,18 @@ class RequestRun:
             return None  # its choice ended at a stop string; the abort crossed this delta
         if update.needs_abort:  # a stop string ended the text; the engine does not know it
             self.client.abort([delta.request_id])
-        self._observe(update, delta.queue_time_s)
+        self._observe(update, delta)
         return update
 
-    def _observe(self, update: ChoiceUpdate, queue_time_s: float | None) -> None:
-        """TTFT, inter-token latency, token counts and, at the end, the request's latency."""
+    def _observe(self, update: ChoiceUpdate, delta: RequestDelta) -> None:
+        """Token counts and times of the delta's request and, at its end, its outcome."""
         now = time.monotonic()
-        request_id = update.choice.request_id
-        num_new = len(update.token_ids)
-        if num_new:
-            last = self._last_token_time.get(request_id)
-            if last is None:
-                self.metrics.time_to_first_token.observe(now - self.arrival_time)
-            else:
-                for _ in range(num_new):
-                    self.metrics.inter_token_latency.observe((now - last) / num_new)
-            self._last_token_time[request_id] = now
-            self.metrics.generation_tokens.inc(num_new)
-        if queue_time_s is not None:
-            self.metrics.request_queue_time.observe(queue_time_s)
+        times = self._times[delta.request_id]
+        self.metrics.observe_delta(
+            times, len(update.token_ids), now, delta.queue_time_s, delta.num_cached_tokens
+        )
         if update.choice.finish_reason is not None:
-            self.metrics.observe_finished(update.choice.finish_reason)
-            self.metrics.e2e_request_latency.observe(now - self.arrival_time)
+            self.metrics.observe_finished(times, update.choice.finish_reason, now)
 
     def usage(self) -> UsageInfo:
         num_completion = sum(len(c.token_ids) for c in self.processor.choices.values())
@@ -172,10 +165,18 @@ class RequestRun:
         )
 
     def close(self, client_went_away: bool = False) -> None:
-        """Abort unfinished choices (their KV blocks are freed); count a client that left."""
+        """Abort unfinished choices (their KV blocks are freed; each counts as finished for
+        `abort`, as vLLM counts them); count a client that left. Only the first call acts."""
+        if self._is_closed:
+            return
+        self._is_closed = True
         unfinished = self.processor.unfinished_request_ids()
         if unfinished:
             self.client.abort(unfinished)
+        now = time.monotonic()
+        for request_id in unfinished:
+            if (times := self._times.get(request_id)) is not None:  # it reached an engine
+                self.metrics.observe_finished(times, "abort", now)
         if client_went_away:
             self.metrics.http_requests_client_disconnected.inc()
 
