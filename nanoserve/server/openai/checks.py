@@ -10,6 +10,8 @@ become one constraint (`constraints.py`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.server.errors import APIError, service_unavailable
 from nanoserve.server.openai.served_model import ServedModel
@@ -18,6 +20,8 @@ from nanoserve.server.openai.served_model import ServedModel
 # Each entry costs the worker and the front ~100-200 bytes until the response is sent; lm-eval's
 # requests (a few prompts of up to a few thousand tokens, prompt_logprobs 1) need far fewer.
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
+# OpenAI's limits on `metadata`: what a stored response keeps of it is bounded.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 def check_model(model: ServedModel, name: str | None) -> None:
@@ -29,6 +33,31 @@ def check_model(model: ServedModel, name: str | None) -> None:
             404,
             "model",
         )
+
+
+def check_metadata(metadata: dict[str, Any] | None) -> None:
+    """OpenAI's bounds on `metadata`: at most 16 pairs, keys ≤ 64 characters, string values
+    ≤ 512 characters."""
+    if metadata is None:
+        return
+    allowed = (
+        f"metadata takes at most {MAX_METADATA_PAIRS} pairs, with keys of at most "
+        f"{MAX_METADATA_KEY_CHARS} characters and string values of at most "
+        f"{MAX_METADATA_VALUE_CHARS} characters"
+    )
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise APIError(f"{allowed}; got {len(metadata)} pairs", 400, "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise APIError(f"{allowed}; got a key of {len(key)} characters", 400, "metadata")
+        if not isinstance(value, str):
+            raise APIError(f"{allowed}; got a {type(value).__name__} value", 400, "metadata")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise APIError(
+                f"{allowed}; got a value of {len(value)} characters under {key[:64]!r}",
+                400,
+                "metadata",
+            )
 
 
 def check_capacity(model: ServedModel, num_requests: int, param: str) -> None:

@@ -74,5 +74,5 @@ class ResponsesRequest(OpenAIModel):
     store: bool = True
     previous_response_id: str | None = None
     text: TextConfig | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, Any] | None = None  # bounded by checks.check_metadata
     user: str | None = None
