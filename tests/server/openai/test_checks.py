@@ -84,3 +84,48 @@ def test_the_server_serves_on_after_them(server: Served) -> None:
         httpx.post(f"{server.url}{path}", json={"max_tokens": 2, **body}, timeout=60)
     ok = httpx.post(f"{server.url}{C}", json={"prompt": "a", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+# Logprob entries: n x (prompt tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1)),
+# at most 2^20 (1,048,576) per request.
+PROMPT_600 = [5] * 600
+LOGPROBS_REFUSED = [
+    (
+        "completion logprobs",  # 64 x 900 x 21 = 1,209,600
+        C,
+        {"prompt": "x", "n": 64, "logprobs": 20, "max_tokens": 900, "ignore_eos": True},
+        "logprobs",
+    ),
+    (
+        "chat logprobs",
+        CHAT,
+        {"messages": USER, "n": 64, "logprobs": True, "top_logprobs": 20, "max_tokens": 900},
+        "logprobs",
+    ),
+    (
+        "prompt and completion logprobs together",  # 50 x (599 + 424) x 21 = 1,074,150
+        C,
+        {"prompt": PROMPT_600, "n": 50, "prompt_logprobs": 20, "logprobs": 20, "max_tokens": 424},
+        "logprobs",
+    ),
+    (
+        "prompt logprobs",  # 64 x 1,000 x 21 = 1,344,000
+        C,
+        {"prompt": [5] * 1001, "n": 64, "prompt_logprobs": 20, "max_tokens": 1},
+        "prompt_logprobs",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [row[1:] for row in LOGPROBS_REFUSED],
+    ids=[row[0] for row in LOGPROBS_REFUSED],
+)
+def test_logprobs_past_the_bound_are_a_400_before_generating(
+    server: Served, path: str, body: dict, param: str
+) -> None:
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == param and "the limit is 1048576" in error["message"], error
