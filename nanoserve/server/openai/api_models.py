@@ -26,6 +26,10 @@ TokenIds = list[StrictInt]
 Prompt = str | list[str] | TokenIds | list[TokenIds]
 # OpenAI's limit on the inputs of one request; --max-waiting-requests may allow fewer.
 MAX_PROMPTS = 2048
+# Messages of one conversation (chat, /tokenize, a Responses input), counted before pydantic
+# reads them one by one: reading a million empty messages would hold the event loop for
+# seconds, and the chat template would render each one.
+MAX_MESSAGES = 10_000
 _TEXTS: TypeAdapter[list[str]] = TypeAdapter(list[str])
 _TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(TokenIds)
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
@@ -145,6 +149,13 @@ def validate_prompt(value: object) -> Prompt:
     return prompts
 
 
+def validate_num_messages(value: object, name: str) -> object:
+    """`value` unchanged, unless it is a list of more than MAX_MESSAGES items."""
+    if isinstance(value, list) and len(value) > MAX_MESSAGES:
+        raise ValueError(f"{name} takes at most {MAX_MESSAGES} messages, got {len(value)}")
+    return value
+
+
 def _checked(adapter: TypeAdapter, value: list, name: str, expected: str) -> Any:
     try:
         return adapter.validate_python(value)
@@ -214,6 +225,11 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _num_messages(cls, value: object) -> object:
+        return validate_num_messages(value, "messages")
+
 
 class TokenizeRequest(OpenAIModel):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
@@ -225,6 +241,11 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # template text; only with --trust-request-chat-template
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _num_messages(cls, value: object) -> object:
+        return validate_num_messages(value, "messages")
 
 
 class DetokenizeRequest(OpenAIModel):

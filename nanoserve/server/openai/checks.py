@@ -11,6 +11,7 @@ constraint (`constraints.py`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from nanoserve.common.sampling_params import SamplingParams
@@ -140,16 +141,16 @@ def num_logprob_entries(num_prompt: int, params: SamplingParams) -> int:
 
 def check_logprobs_size(prompts: list[list[int]], params: list[SamplingParams]) -> None:
     """Refuse a request whose logprobs could hold more than MAX_LOGPROB_ENTRIES."""
-    num_entries = sum(
-        num_logprob_entries(len(prompt), p) for prompt, p in zip(prompts, params, strict=True)
-    )
+    num_entries = num_prompt_entries = 0
+    for prompt, p in zip(prompts, params, strict=True):
+        num_entries += num_logprob_entries(len(prompt), p)
+        num_prompt_entries += num_logprob_entries(len(prompt), replace(p, logprobs=None))
     if num_entries > MAX_LOGPROB_ENTRIES:
-        is_generated = any(p.logprobs is not None for p in params)
         raise APIError(
             f"the logprobs of this request could hold {num_entries} entries (n x (prompt "
             "tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1)), per prompt; echo "
             f"scores the prompt with logprobs); the limit is {MAX_LOGPROB_ENTRIES}: lower n, "
             "max_tokens, logprobs or prompt_logprobs, or send fewer or shorter prompts",
             400,
-            "logprobs" if is_generated else "prompt_logprobs",
+            "prompt_logprobs" if 2 * num_prompt_entries > num_entries else "logprobs",
         )

@@ -119,8 +119,8 @@ async def start_turn(
     messages = history + items_to_messages(items)
     try:
         chat_request = ChatCompletionRequest.model_validate(chat_body(body, messages))
-    except ValidationError as e:
-        raise validation_error([dict(error) for error in e.errors()]) from None
+    except ValidationError as e:  # e.g. more messages, with the history, than a chat takes
+        raise _in_responses_terms(validation_error([dict(x) for x in e.errors()])) from None
     try:
         run, tools = await start_chat(model, chat_request, request)
     except APIError as e:

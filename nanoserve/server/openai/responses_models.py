@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
-from nanoserve.server.openai.api_models import OpenAIModel
+from nanoserve.server.openai.api_models import OpenAIModel, validate_num_messages
 
 
 class InputContent(OpenAIModel):
@@ -76,3 +76,8 @@ class ResponsesRequest(OpenAIModel):
     text: TextConfig | None = None
     metadata: dict[str, Any] | None = None  # bounded by checks.check_metadata
     user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _num_items(cls, value: object) -> object:
+        return validate_num_messages(value, "input")

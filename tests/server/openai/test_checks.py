@@ -87,7 +87,7 @@ def test_the_server_serves_on_after_them(server: Served) -> None:
 
 
 # Logprob entries: n x (prompt tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1)),
-# at most 2^20 (1,048,576) per request.
+# at most 2^20 (1,048,576) per request; the error names the side that holds more of them.
 PROMPT_600 = [5] * 600
 LOGPROBS_REFUSED = [
     (
@@ -106,7 +106,7 @@ LOGPROBS_REFUSED = [
         "prompt and completion logprobs together",  # 50 x (599 + 424) x 21 = 1,074,150
         C,
         {"prompt": PROMPT_600, "n": 50, "prompt_logprobs": 20, "logprobs": 20, "max_tokens": 424},
-        "logprobs",
+        "prompt_logprobs",  # the larger side: 628,950 entries
     ),
     (
         "prompt logprobs",  # 64 x 1,000 x 21 = 1,344,000
@@ -129,3 +129,48 @@ def test_logprobs_past_the_bound_are_a_400_before_generating(
     assert response.status_code == 400, response.text[:300]
     error = response.json()["error"]
     assert error["param"] == param and "the limit is 1048576" in error["message"], error
+
+
+MANY = [{"role": "user", "content": ""}] * 10_001
+LONG_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "1" * 100_000}}
+# (name, path, body, param, what the message says); `server` takes about 12,000 characters.
+UNRENDERED = [
+    ("10,001 chat messages", CHAT, {"messages": MANY}, "messages", "at most 10000 messages"),
+    ("10,001 messages to /tokenize", "/tokenize", {"messages": MANY}, "messages", "at most 10000"),
+    ("10,001 input items", RESPONSES, {"input": MANY}, "input", "at most 10000 messages"),
+    (
+        "a tool call's long arguments",
+        CHAT,
+        {"messages": [*USER, {"role": "assistant", "tool_calls": [LONG_CALL]}]},
+        "messages",
+        "messages: 100",
+    ),
+    (
+        "a long extra key to /tokenize",
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "hi", "name": "n" * 100_000}]},
+        "messages",
+        "messages: 100",
+    ),
+    (
+        "a long template variable",
+        CHAT,
+        {"messages": USER, "chat_template_kwargs": {"x": "a" * 100_000}},
+        "chat_template_kwargs",
+        "chat_template_kwargs: 100",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [row[1:] for row in UNRENDERED],
+    ids=[row[0] for row in UNRENDERED],
+)
+def test_conversations_are_counted_and_measured_before_the_template_renders_them(
+    server: Served, path: str, body: dict, param: str, says: str
+) -> None:
+    response = httpx.post(f"{server.url}{path}", json={"max_tokens": 2, **body}, timeout=30)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"], error
