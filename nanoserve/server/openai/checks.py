@@ -24,6 +24,8 @@ from nanoserve.server.openai.served_model import ServedModel
 # lm-eval's requests (a few prompts of up to a few thousand tokens, prompt_logprobs 1) and a
 # chat answer of 40,000 tokens with top_logprobs 20 need fewer.
 MAX_LOGPROB_ENTRIES = 1 << 20
+# /detokenize takes this many contexts' worth of ids per call.
+DETOKENIZE_CONTEXTS = 2
 # OpenAI's limits on `metadata`: what a stored response keeps of it is bounded.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
@@ -115,6 +117,19 @@ def check_prompt(model: ServedModel, prompt_token_ids: list[int], param: str) ->
             param,
         )
     check_token_ids(model, prompt_token_ids, param)
+
+
+def check_num_detokenized(model: ServedModel, num_token_ids: int, param: str) -> None:
+    """/detokenize takes at most twice max_model_len ids: any sequence the model can hold, with
+    room to spare (the answer's text grows with them, up to the longest token's length each)."""
+    limit = DETOKENIZE_CONTEXTS * model.max_model_len
+    if num_token_ids > limit:
+        raise APIError(
+            f"{param}: {num_token_ids} token ids; /detokenize takes at most {limit} per call "
+            f"({DETOKENIZE_CONTEXTS} x max_model_len {model.max_model_len})",
+            400,
+            param,
+        )
 
 
 def check_token_ids(model: ServedModel, token_ids: list[int], param: str) -> None:
