@@ -26,10 +26,11 @@ TokenIds = list[StrictInt]
 Prompt = str | list[str] | TokenIds | list[TokenIds]
 # OpenAI's limit on the inputs of one request; --max-waiting-requests may allow fewer.
 MAX_PROMPTS = 2048
-# Messages of one conversation (chat, /tokenize, a Responses input), counted before pydantic
-# reads them one by one: reading a million empty messages would hold the event loop for
-# seconds, and the chat template would render each one.
+# Messages and their content parts in one conversation (chat, /tokenize, a Responses input),
+# and tools in one request, counted before pydantic reads them one by one: reading a million
+# empty messages would hold the event loop for seconds, and the chat template would render each.
 MAX_MESSAGES = 10_000
+MAX_TOOLS = 2000  # as many as tool_choice "required" may choose among (constraint_limits)
 _TEXTS: TypeAdapter[list[str]] = TypeAdapter(list[str])
 _TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(TokenIds)
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
@@ -150,9 +151,30 @@ def validate_prompt(value: object) -> Prompt:
 
 
 def validate_num_messages(value: object, name: str) -> object:
-    """`value` unchanged, unless it is a list of more than MAX_MESSAGES items."""
-    if isinstance(value, list) and len(value) > MAX_MESSAGES:
-        raise ValueError(f"{name} takes at most {MAX_MESSAGES} messages, got {len(value)}")
+    """`value` unchanged, unless it is a list of more than MAX_MESSAGES messages and content
+    parts (`content` or a Responses item's `output` as a list) together."""
+    if not isinstance(value, list):
+        return value
+    num_items = len(value)
+    for message in value[: MAX_MESSAGES + 1]:
+        if isinstance(message, dict):
+            num_items += sum(
+                len(parts)
+                for key in ("content", "output")
+                if isinstance(parts := message.get(key), list)
+            )
+    if num_items > MAX_MESSAGES:
+        raise ValueError(
+            f"{name} takes at most {MAX_MESSAGES} messages and content parts together, got "
+            f"{len(value)} messages and {num_items - len(value)} parts"
+        )
+    return value
+
+
+def validate_num_tools(value: object) -> object:
+    """`value` unchanged, unless it is a list of more than MAX_TOOLS tools."""
+    if isinstance(value, list) and len(value) > MAX_TOOLS:
+        raise ValueError(f"tools takes at most {MAX_TOOLS} tools, got {len(value)}")
     return value
 
 
@@ -229,6 +251,11 @@ class ChatCompletionRequest(SamplingFields):
     @classmethod
     def _num_messages(cls, value: object) -> object:
         return validate_num_messages(value, "messages")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _num_tools(cls, value: object) -> object:
+        return validate_num_tools(value)
 
 
 class TokenizeRequest(OpenAIModel):

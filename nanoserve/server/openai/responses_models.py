@@ -10,7 +10,11 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from nanoserve.server.openai.api_models import OpenAIModel, validate_num_messages
+from nanoserve.server.openai.api_models import (
+    OpenAIModel,
+    validate_num_messages,
+    validate_num_tools,
+)
 
 
 class InputContent(OpenAIModel):
@@ -81,3 +85,8 @@ class ResponsesRequest(OpenAIModel):
     @classmethod
     def _num_items(cls, value: object) -> object:
         return validate_num_messages(value, "input")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _num_tools(cls, value: object) -> object:
+        return validate_num_tools(value)

@@ -132,12 +132,35 @@ def test_logprobs_past_the_bound_are_a_400_before_generating(
 
 
 MANY = [{"role": "user", "content": ""}] * 10_001
+TOOL = {"type": "function", "function": {"name": "f"}}
 LONG_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "1" * 100_000}}
 # (name, path, body, param, what the message says); `server` takes about 12,000 characters.
 UNRENDERED = [
     ("10,001 chat messages", CHAT, {"messages": MANY}, "messages", "at most 10000 messages"),
     ("10,001 messages to /tokenize", "/tokenize", {"messages": MANY}, "messages", "at most 10000"),
     ("10,001 input items", RESPONSES, {"input": MANY}, "input", "at most 10000 messages"),
+    (
+        "10,001 content parts",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 10_001}]},
+        "messages",
+        "1 messages and 10001 parts",
+    ),
+    (
+        "10,001 input parts",
+        RESPONSES,
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": ""}] * 10_001}]},
+        "input",
+        "1 messages and 10001 parts",
+    ),
+    ("2,001 tools", CHAT, {"messages": USER, "tools": [TOOL] * 2001}, "tools", "at most 2000"),
+    (
+        "2,001 Responses tools",
+        RESPONSES,
+        {"input": "hi", "tools": [{"type": "function", "name": "f"}] * 2001},
+        "tools",
+        "at most 2000",
+    ),
     (
         "a tool call's long arguments",
         CHAT,
