@@ -30,7 +30,7 @@ MAX_PROMPTS = 2048
 # and tools in one request, counted before pydantic reads them one by one: reading a million
 # empty messages would hold the event loop for seconds, and the chat template would render each.
 MAX_MESSAGES = 10_000
-MAX_TOOLS = 2000  # as many as tool_choice "required" may choose among (constraint_limits)
+MAX_TOOLS = 10_000  # tool_choice "required" chooses among fewer (constraint_limits)
 _TEXTS: TypeAdapter[list[str]] = TypeAdapter(list[str])
 _TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(TokenIds)
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"

@@ -153,13 +153,13 @@ UNRENDERED = [
         "input",
         "1 messages and 10001 parts",
     ),
-    ("2,001 tools", CHAT, {"messages": USER, "tools": [TOOL] * 2001}, "tools", "at most 2000"),
+    ("10,001 tools", CHAT, {"messages": USER, "tools": [TOOL] * 10_001}, "tools", "at most 10000"),
     (
-        "2,001 Responses tools",
+        "10,001 Responses tools",
         RESPONSES,
-        {"input": "hi", "tools": [{"type": "function", "name": "f"}] * 2001},
+        {"input": "hi", "tools": [{"type": "function", "name": "f"}] * 10_001},
         "tools",
-        "at most 2000",
+        "at most 10000",
     ),
     (
         "a tool call's long arguments",
