@@ -6,7 +6,7 @@ uvicorn times out idle keep-alive connections only. Here, per connection (h11):
   `--header-timeout` seconds of opening (or of its last response); else it is closed. The same
   deadline closes a connection still sending the body of a request that was already answered.
 - **framing** (`FramedH11Connection`): a request's line and headers may take 16 KiB however
-  they arrive (h11 counts only headers still incomplete: 118 KB in one write passed), and a
+  they arrive (h11 itself bounds only headers still incomplete, which one write is not), and a
   request with both Transfer-Encoding and Content-Length is refused (RFC 9112 §6.3: its body's
   length is ambiguous, the way requests are smuggled past proxies). Either is a 400, and the
   connection is closed.
