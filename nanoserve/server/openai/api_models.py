@@ -19,6 +19,7 @@ from pydantic import (
     StrictInt,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
@@ -31,6 +32,9 @@ MAX_PROMPTS = 2048
 # empty messages would hold the event loop for seconds, and the chat template would render each.
 MAX_MESSAGES = 10_000
 MAX_TOOLS = 10_000  # tool_choice "required" chooses among fewer (constraint_limits)
+# Entries of stop_token_ids and logit_bias, counted before pydantic reads them (then they are
+# deduplicated, sorted and checked on the event loop): more than any vocabulary has ids.
+MAX_TOKEN_ID_ENTRIES = 1 << 18
 _TEXTS: TypeAdapter[list[str]] = TypeAdapter(list[str])
 _TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(TokenIds)
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
@@ -107,6 +111,11 @@ class SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
     response_format: ResponseFormat | None = None
 
+    @field_validator("stop_token_ids", "logit_bias", mode="before")
+    @classmethod
+    def _num_token_ids(cls, value: object, info: ValidationInfo) -> object:
+        return validate_num_token_id_entries(value, str(info.field_name))
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
@@ -168,6 +177,13 @@ def validate_num_messages(value: object, name: str) -> object:
             f"{name} takes at most {MAX_MESSAGES} messages and content parts together, got "
             f"{len(value)} messages and {num_items - len(value)} parts"
         )
+    return value
+
+
+def validate_num_token_id_entries(value: object, name: str) -> object:
+    """`value` unchanged, unless it is a list or object of more than MAX_TOKEN_ID_ENTRIES."""
+    if isinstance(value, (list, dict)) and len(value) > MAX_TOKEN_ID_ENTRIES:
+        raise ValueError(f"{name} takes at most {MAX_TOKEN_ID_ENTRIES} token ids, got {len(value)}")
     return value
 
 

@@ -197,3 +197,24 @@ def test_conversations_are_counted_and_measured_before_the_template_renders_them
     assert response.status_code == 400, response.text[:300]
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stop_token_ids", [5] * 262_145),
+        ("logit_bias", {str(i): 1 for i in range(262_145)}),
+    ],
+)
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_token_id_lists_are_counted_before_they_are_read(
+    server: Served, path: str, field: str, value: object
+) -> None:
+    # Sorting and checking four million stop ids held the event loop for seconds.
+    body = {"prompt": "a"} if path == C else {"messages": USER}
+    response = httpx.post(
+        f"{server.url}{path}", json={**body, field: value, "max_tokens": 2}, timeout=30
+    )
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == field and "at most 262144 token ids" in error["message"], error
