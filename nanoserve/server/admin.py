@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -18,7 +19,12 @@ from nanoserve.server.openai.api_models import (
     TokenizeRequest,
 )
 from nanoserve.server.openai.chat_prompt import check_template_kwargs, render_messages
-from nanoserve.server.openai.checks import check_model, check_prompt_chars, check_token_ids
+from nanoserve.server.openai.checks import (
+    check_model,
+    check_num_detokenized,
+    check_prompt_chars,
+    check_token_ids,
+)
 from nanoserve.server.openai.served_model import ServedModel
 from nanoserve.server.openapi import json_body_schema
 from nanoserve.server.request_body import read_json_body
@@ -68,18 +74,25 @@ def router(model: ServedModel, load: ServerLoad) -> APIRouter:
         raise APIError(f"The model `{model_id}` does not exist.", 404, "model")
 
     @routes.post("/tokenize", openapi_extra=json_body_schema(TokenizeRequest))
-    async def tokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> Response:
         body = await read_json_body(request, TokenizeRequest, model.config)
-        return await tokenized(model, body)
+        return json_answer(await tokenized(model, body))
 
     @routes.post("/detokenize", openapi_extra=json_body_schema(DetokenizeRequest))
-    async def detokenize(request: Request) -> dict[str, Any]:
+    async def detokenize(request: Request) -> Response:
         body = await read_json_body(request, DetokenizeRequest, model.config)
         check_model(model, body.model)
+        check_num_detokenized(model, len(body.tokens), "tokens")
         check_token_ids(model, body.tokens, "tokens")
-        return {"prompt": await model.pool.decode(body.tokens)}
+        return json_answer({"prompt": await model.pool.decode(body.tokens)})
 
     return routes
+
+
+def json_answer(content: dict[str, Any]) -> Response:
+    """A JSON answer encoded in one native pass: FastAPI's own encoder walks a list of token ids
+    in Python, one id at a time, on the event loop."""
+    return Response(msgspec.json.encode(content), media_type="application/json")
 
 
 def model_cards(model: ServedModel) -> list[ModelCard]:

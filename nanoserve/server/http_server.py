@@ -5,7 +5,11 @@ uvicorn times out idle keep-alive connections only. Here, per connection (h11):
 - **header timeout**: a connection must deliver a request's line and headers within
   `--header-timeout` seconds of opening (or of its last response); else it is closed. The same
   deadline closes a connection still sending the body of a request that was already answered.
-  (Headers are capped at h11's 16 KiB; larger is a 400.)
+- **framing** (`FramedH11Connection`): a request's line and headers may take 16 KiB however
+  they arrive (h11 itself bounds only headers still incomplete, which one write is not), and a
+  request with both Transfer-Encoding and Content-Length is refused (RFC 9112 §6.3: its body's
+  length is ambiguous, the way requests are smuggled past proxies). Either is a 400, and the
+  connection is closed.
 - **send timeout**: when the connection's send buffer stays full (the kernel's socket buffer
   and asyncio's 64 KiB above it) and the client reads nothing of it for `--send-timeout`
   seconds, the connection is aborted (a client that reads, however slowly, gets another
@@ -28,6 +32,7 @@ from typing import Any
 
 import h11
 import uvicorn
+from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger("nanoserve.server")
@@ -35,14 +40,48 @@ logger = logging.getLogger("nanoserve.server")
 SHUTDOWN_FLUSH_S = 2.0  # after the grace period: time to write the streams' last frames
 
 
+class FramedH11Connection(h11.Connection):
+    """h11's server side, refusing what h11 lets through: headers over `max_header_bytes` that
+    arrived whole, and a request framed by both Transfer-Encoding and Content-Length."""
+
+    def __init__(self, max_header_bytes: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+        self.max_header_bytes = max_header_bytes
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            self._check_framing(event)
+        return event
+
+    def _check_framing(self, request: h11.Request) -> None:
+        """uvicorn answers this error with a 400 and closes the connection."""
+        fields = request.headers.raw_items()
+        num_bytes = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n\r\n")
+        num_bytes += sum(len(name) + len(value) + len(b": \r\n") for name, value in fields)
+        if num_bytes > self.max_header_bytes:
+            raise h11.RemoteProtocolError(
+                f"request line and headers of {num_bytes} bytes; at most "
+                f"{self.max_header_bytes} are read",
+                error_status_hint=431,
+            )
+        names = {name.lower() for name, _ in fields}
+        if b"transfer-encoding" in names and b"content-length" in names:
+            raise h11.RemoteProtocolError(
+                "a request with both Transfer-Encoding and Content-Length (RFC 9112 §6.3)"
+            )
+
+
 class TimedH11Protocol(H11Protocol):
-    """uvicorn's h11 connection with a header deadline and a send timeout."""
+    """uvicorn's h11 connection with a header deadline, a send timeout and framing checks."""
 
     header_timeout_s = 30.0
     send_timeout_s = 60.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        max_header_bytes = self.config.h11_max_incomplete_event_size
+        self.conn = FramedH11Connection(max_header_bytes or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
         self._header_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._buffered_bytes = 0  # in the send buffer when the send timer was armed

@@ -118,3 +118,17 @@ def test_load_counts_generation_requests_in_flight(
         wait_for_load(server.url, 1)
         sockets.pop().close()
         wait_for_load(server.url, 0)
+
+
+def test_detokenize_takes_twice_the_context_per_call(server: InProcessServer) -> None:
+    # The tiny model holds 1024 tokens; 6 million ids were once decoded into a 263 MiB answer.
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "ab" * 1024}, timeout=30)
+    tokens = ids.json()["tokens"][-2048:]
+    assert len(tokens) == 2048
+    whole = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}, timeout=30)
+    assert whole.status_code == 200 and whole.json()["prompt"].endswith("ab" * 100)
+    refused = httpx.post(f"{server.url}/detokenize", json={"tokens": [5] * 2049}, timeout=30)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "tokens", error
+    assert "2049 token ids" in error["message"] and "at most 2048" in error["message"], error

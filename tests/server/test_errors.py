@@ -170,18 +170,18 @@ def front_rss_bytes(server: ServerProcess) -> int:
 def test_a_huge_prompt_is_refused_before_tokenizing(front_process: ServerProcess) -> None:
     server = front_process  # what is measured is the memory of the front process
     before = front_rss_bytes(server)
-    for path, body in (
-        (C, {"prompt": "a" * 30_000_000}),
-        (C, {"prompt": ["a", "b" * 30_000_000]}),
-        (CHAT, {"messages": [{"role": "user", "content": "c" * 30_000_000}]}),
-        ("/tokenize", {"prompt": "d" * 30_000_000}),
+    for path, body, num_chars in (
+        (C, {"prompt": "a" * 30_000_000}, 30_000_000),
+        (C, {"prompt": ["a", "b" * 30_000_000]}, 30_000_000),
+        (CHAT, {"messages": [{"role": "user", "content": "c" * 30_000_000}]}, 30_000_004),
+        ("/tokenize", {"prompt": "d" * 30_000_000}, 30_000_000),
     ):
         started = time.monotonic()
         response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
         assert time.monotonic() - started < 20  # tokenizing it took 30+ s
         assert response.status_code == 400
         error = response.json()["error"]
-        assert "30000000 characters" in error["message"], error
+        assert f"{num_chars} characters" in error["message"], error
         assert "--max-prompt-chars" in error["message"]
     # The front kept 3.2 GB after one such prompt when it tokenized them.
     assert front_rss_bytes(server) < before + 300 * 2**20

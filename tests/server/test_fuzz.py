@@ -108,7 +108,8 @@ HOSTILE = [
      {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, {}, 400),
     ("2 MB of prompt", C, {"prompt": "a" * 2_000_000}, {}, 400),
     ("detokenize 2^63", DETOK, {"tokens": [2**63]}, {}, 400),
-    ("detokenize 200,000 ids", DETOK, {"tokens": [65] * 200_000}, {}, 200),
+    ("detokenize 2,048 ids", DETOK, {"tokens": [65] * 2048}, {}, 200),  # 2 x max_model_len
+    ("detokenize 200,000 ids", DETOK, {"tokens": [65] * 200_000}, {}, 400),
 ]  # fmt: skip
 
 

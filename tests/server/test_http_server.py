@@ -10,6 +10,7 @@ import json
 import socket
 import time
 
+import pytest
 import uvicorn
 from servers import InProcessServer, read_metrics
 from uvicorn.server import ServerState
@@ -203,3 +204,53 @@ def test_the_send_timeout_waits_while_the_client_reads() -> None:
     clock.advance(0.3)
     assert not transport.is_aborted
     protocol.connection_lost(None)
+
+
+def answer_and_close(port: int, request: bytes) -> tuple[bytes, bool]:
+    """What the server answers to `request`, sent in one write, and whether it then closed the
+    connection (a live one would answer a second request)."""
+    sock = connect(port)
+    sock.sendall(request)
+    answer = sock.recv(65536)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        rest = sock.recv(65536)
+        while rest and not rest.startswith(b"HTTP/1.1"):
+            rest = sock.recv(65536)
+    except (BrokenPipeError, ConnectionResetError):
+        rest = b""
+    sock.close()
+    return answer, not rest
+
+
+def test_a_request_with_both_transfer_encoding_and_content_length_is_refused(
+    server: InProcessServer,
+) -> None:
+    # RFC 9112 §6.3: such a message may be a smuggling attempt; the connection must be closed.
+    request = (
+        b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    )
+    answer, closed = answer_and_close(server.port, request)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
+    assert closed
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        b"X-Big: " + b"a" * 118_000 + b"\r\n",
+        b"".join(b"X-%d: %s\r\n" % (i, b"b" * 90) for i in range(200)),  # 20 KB in small fields
+    ],
+    ids=["one big field", "many fields"],
+)
+def test_headers_over_16_kib_are_refused_however_they_arrive(
+    server: InProcessServer, fields: bytes
+) -> None:
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n"
+    answer, closed = answer_and_close(server.port, request)
+    assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), answer[:100]
+    assert closed
+    under = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 15_000 + b"\r\n\r\n"
+    answer, closed = answer_and_close(server.port, under)
+    assert answer.startswith(b"HTTP/1.1 200") and not closed

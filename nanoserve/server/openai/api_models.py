@@ -19,6 +19,7 @@ from pydantic import (
     StrictInt,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
@@ -26,6 +27,14 @@ TokenIds = list[StrictInt]
 Prompt = str | list[str] | TokenIds | list[TokenIds]
 # OpenAI's limit on the inputs of one request; --max-waiting-requests may allow fewer.
 MAX_PROMPTS = 2048
+# Messages and their content parts in one conversation (chat, /tokenize, a Responses input),
+# and tools in one request, counted before pydantic reads them one by one: reading a million
+# empty messages would hold the event loop for seconds, and the chat template would render each.
+MAX_MESSAGES = 10_000
+MAX_TOOLS = 10_000  # tool_choice "required" chooses among fewer (constraint_limits)
+# Entries of stop_token_ids and logit_bias, counted before pydantic reads them (then they are
+# deduplicated, sorted and checked on the event loop): more than any vocabulary has ids.
+MAX_TOKEN_ID_ENTRIES = 1 << 18
 _TEXTS: TypeAdapter[list[str]] = TypeAdapter(list[str])
 _TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(TokenIds)
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
@@ -102,6 +111,11 @@ class SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
     response_format: ResponseFormat | None = None
 
+    @field_validator("stop_token_ids", "logit_bias", mode="before")
+    @classmethod
+    def _num_token_ids(cls, value: object, info: ValidationInfo) -> object:
+        return validate_num_token_id_entries(value, str(info.field_name))
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
@@ -143,6 +157,41 @@ def validate_prompt(value: object) -> Prompt:
             raise ValueError(f"prompt[{index}] must be a list of token ids like prompt[0]")
         prompts.append(_checked(_TOKEN_IDS, item, f"prompt[{index}]", "a token id (an integer)"))
     return prompts
+
+
+def validate_num_messages(value: object, name: str) -> object:
+    """`value` unchanged, unless it is a list of more than MAX_MESSAGES messages and content
+    parts (`content` or a Responses item's `output` as a list) together."""
+    if not isinstance(value, list):
+        return value
+    num_items = len(value)
+    for message in value[: MAX_MESSAGES + 1]:
+        if isinstance(message, dict):
+            num_items += sum(
+                len(parts)
+                for key in ("content", "output")
+                if isinstance(parts := message.get(key), list)
+            )
+    if num_items > MAX_MESSAGES:
+        raise ValueError(
+            f"{name} takes at most {MAX_MESSAGES} messages and content parts together, got "
+            f"{len(value)} messages and {num_items - len(value)} parts"
+        )
+    return value
+
+
+def validate_num_token_id_entries(value: object, name: str) -> object:
+    """`value` unchanged, unless it is a list or object of more than MAX_TOKEN_ID_ENTRIES."""
+    if isinstance(value, (list, dict)) and len(value) > MAX_TOKEN_ID_ENTRIES:
+        raise ValueError(f"{name} takes at most {MAX_TOKEN_ID_ENTRIES} token ids, got {len(value)}")
+    return value
+
+
+def validate_num_tools(value: object) -> object:
+    """`value` unchanged, unless it is a list of more than MAX_TOOLS tools."""
+    if isinstance(value, list) and len(value) > MAX_TOOLS:
+        raise ValueError(f"tools takes at most {MAX_TOOLS} tools, got {len(value)}")
+    return value
 
 
 def _checked(adapter: TypeAdapter, value: list, name: str, expected: str) -> Any:
@@ -214,6 +263,16 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _num_messages(cls, value: object) -> object:
+        return validate_num_messages(value, "messages")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _num_tools(cls, value: object) -> object:
+        return validate_num_tools(value)
+
 
 class TokenizeRequest(OpenAIModel):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
@@ -225,6 +284,11 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # template text; only with --trust-request-chat-template
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _num_messages(cls, value: object) -> object:
+        return validate_num_messages(value, "messages")
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -43,7 +43,7 @@ from nanoserve.server.openai.request_run import (
     stream_usage,
     whole_answer,
 )
-from nanoserve.server.openai.sampling import max_tokens_for, sampling_params
+from nanoserve.server.openai.sampling import fit_logprobs_bound, max_tokens_for, sampling_params
 from nanoserve.server.openai.served_model import ServedModel
 from nanoserve.server.openai.tool_parsers import ParsedDelta, ToolParser
 from nanoserve.server.openapi import json_body_schema
@@ -98,6 +98,8 @@ def _sampling_params(
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     structured = constraint.params if constraint is not None else None
     params = sampling_params(model, body, max_tokens, logprobs, body.prompt_logprobs, structured)
+    if body.max_completion_tokens is None and body.max_tokens is None:
+        params = fit_logprobs_bound(params, num_prompt)
     if tools.needs_special_tokens:  # the parser reads the model's tool-call tokens
         params = dataclasses.replace(params, skip_special_tokens=False)
     return params

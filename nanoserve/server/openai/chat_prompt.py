@@ -7,9 +7,11 @@ whether to tokenize, tools, documents, padding, ... — are refused there, as vL
 `chat_template` and `tokenize`. A request's own `chat_template` is refused unless the operator
 started the server with `--trust-request-chat-template`; then it is template text, never a path.
 Rendering runs on the tokenizer thread, and any error it raises on a client's input (a bad
-template, a recursive macro, content nested too deep) is a 400. The messages' text is measured
-before rendering, the rendered text before tokenizing, and the token ids are checked as every
-prompt is (`checks.check_prompt`).
+template, a recursive macro, content nested too deep) is a 400. Rendering is never the first
+check: the messages are counted as the body is read (`api_models.MAX_MESSAGES`), every string
+they and the template variables hand the template is measured before rendering, the rendered
+text before tokenizing, and the token ids are checked as every prompt is
+(`checks.check_prompt`).
 """
 
 from __future__ import annotations
@@ -64,7 +66,10 @@ async def render_messages(
 ) -> list[int]:
     """Messages rendered with the chat template, as checked prompt token ids."""
     template = request_chat_template(chat_template, model.config.trust_request_chat_template)
-    check_prompt_chars(model, num_content_chars(messages), "messages")
+    check_prompt_chars(model, num_message_chars(messages), "messages")
+    check_prompt_chars(
+        model, num_chars(kwargs), "tools" if "tools" in kwargs else "chat_template_kwargs"
+    )
     prompt = await render_chat_prompt(
         model.pool, messages, add_generation_prompt, template, kwargs, model.max_prompt_chars
     )
@@ -134,14 +139,32 @@ def request_chat_template(chat_template: str | None, is_trusted: bool) -> str | 
     return chat_template  # text; transformers compiles it, nothing reads it as a path
 
 
-def num_content_chars(messages: list[ChatMessage]) -> int:
-    """Characters of the messages' text: the rendered prompt holds at least as many."""
+def num_message_chars(messages: list[ChatMessage]) -> int:
+    """Characters of every string the messages hand the template (roles, content, names, tool
+    calls, other keys): what the rendered prompt is built from."""
     total = 0
     for message in messages:
+        total += len(message.role)
         if isinstance(message.content, str):
             total += len(message.content)
         elif message.content is not None:
             total += sum(len(part.text or "") for part in message.content)
+        total += num_chars(message.model_extra)
+    return total
+
+
+def num_chars(value: Any) -> int:
+    """Characters of the strings (keys too) in a JSON-like value, walked without recursion."""
+    total, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
     return total
 
 

@@ -48,7 +48,7 @@ from nanoserve.server.openai.request_run import (
     stream_usage,
     whole_answer,
 )
-from nanoserve.server.openai.sampling import max_tokens_for, sampling_params
+from nanoserve.server.openai.sampling import fit_logprobs_bound, max_tokens_for, sampling_params
 from nanoserve.server.openai.served_model import ServedModel
 from nanoserve.server.openapi import json_body_schema
 from nanoserve.server.request_body import read_json_body
@@ -165,7 +165,8 @@ def _sampling_params(
     if prompt_logprobs is None and body.echo:
         prompt_logprobs = body.logprobs  # echoed prompt tokens get logprobs too
     structured = constraint.params if constraint is not None else None
-    return sampling_params(model, body, max_tokens, body.logprobs, prompt_logprobs, structured)
+    params = sampling_params(model, body, max_tokens, body.logprobs, prompt_logprobs, structured)
+    return fit_logprobs_bound(params, num_prompt) if body.max_tokens is None else params
 
 
 async def completion(

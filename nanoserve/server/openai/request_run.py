@@ -28,7 +28,7 @@ from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.server.errors import ENGINE_ERRORS, ClientDisconnected, engine_error
 from nanoserve.server.metrics import RequestTimes, ServerMetrics
 from nanoserve.server.openai.api_models import StreamOptions, UsageInfo
-from nanoserve.server.openai.checks import check_capacity, check_prompt_logprobs_size
+from nanoserve.server.openai.checks import check_capacity, check_logprobs_size
 from nanoserve.server.openai.constraints import Constraint
 from nanoserve.server.openai.served_model import ServedModel
 from nanoserve.server.sse import EventStreamResponse, NamedEvent, sse_stream
@@ -47,7 +47,7 @@ async def start_run(
 ) -> RequestRun:
     """Check room for every choice of every prompt, add them; a constrained run also waits for
     its first event (a 400 naming `constraint.param` if its grammar did not compile)."""
-    check_prompt_logprobs_size(prompts, params)
+    check_logprobs_size(prompts, params)
     num_choices = [p.n for p in params]
     # Again, after the prompts were tokenized: the queue may have filled meanwhile.
     check_capacity(model, sum(num_choices), "n" if max(num_choices) > 1 else "prompt")

@@ -24,6 +24,7 @@ from nanoserve.server.errors import APIError, validation_error
 from nanoserve.server.openai.api_models import ChatCompletionRequest
 from nanoserve.server.openai.chat import start_chat
 from nanoserve.server.openai.chat_tools import ToolPlan
+from nanoserve.server.openai.checks import check_metadata
 from nanoserve.server.openai.request_run import RequestRun, stream_answer, whole_answer
 from nanoserve.server.openai.response_output import OutputItems, new_id, response_body
 from nanoserve.server.openai.response_store import ResponseStore
@@ -53,7 +54,7 @@ def router(model: ServedModel, store: ResponseStore) -> APIRouter:
         entry = store.get(response_id)
         if entry is None:
             raise _not_found(response_id, "response_id")
-        return JSONResponse(entry.response)
+        return Response(entry.response_json, media_type="application/json")
 
     @routes.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
@@ -104,6 +105,7 @@ async def start_turn(
     model: ServedModel, store: ResponseStore, body: ResponsesRequest, request: Request
 ) -> Turn:
     """The conversation so far and this input, started as a chat completion."""
+    check_metadata(body.metadata)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         entry = store.get(body.previous_response_id)
@@ -117,8 +119,8 @@ async def start_turn(
     messages = history + items_to_messages(items)
     try:
         chat_request = ChatCompletionRequest.model_validate(chat_body(body, messages))
-    except ValidationError as e:
-        raise validation_error([dict(error) for error in e.errors()]) from None
+    except ValidationError as e:  # e.g. more messages, with the history, than a chat takes
+        raise _in_responses_terms(validation_error([dict(x) for x in e.errors()])) from None
     try:
         run, tools = await start_chat(model, chat_request, request)
     except APIError as e:

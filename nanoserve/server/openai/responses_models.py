@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
-from nanoserve.server.openai.api_models import OpenAIModel
+from nanoserve.server.openai.api_models import (
+    OpenAIModel,
+    validate_num_messages,
+    validate_num_tools,
+)
 
 
 class InputContent(OpenAIModel):
@@ -74,5 +78,15 @@ class ResponsesRequest(OpenAIModel):
     store: bool = True
     previous_response_id: str | None = None
     text: TextConfig | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, Any] | None = None  # bounded by checks.check_metadata
     user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _num_items(cls, value: object) -> object:
+        return validate_num_messages(value, "input")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _num_tools(cls, value: object) -> object:
+        return validate_num_tools(value)

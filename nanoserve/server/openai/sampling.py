@@ -10,6 +10,7 @@ against the prompt) is checked here first.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import reprlib
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from nanoserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.errors import APIError
 from nanoserve.server.openai.api_models import SamplingFields
+from nanoserve.server.openai.checks import MAX_LOGPROB_ENTRIES, num_logprob_entries
 from nanoserve.server.openai.served_model import ServedModel
 
 MAX_N = 128
@@ -55,6 +57,17 @@ def max_tokens_for(
             param,
         )
     return max_tokens
+
+
+def fit_logprobs_bound(params: SamplingParams, num_prompt: int) -> SamplingParams:
+    """`params` with a max_tokens the request left unset (the rest of the context) lowered so
+    that its logprobs fit MAX_LOGPROB_ENTRIES. A max_tokens the request set is kept: a request
+    over the bound is refused (`checks.check_logprobs_size`)."""
+    if params.logprobs is None or num_logprob_entries(num_prompt, params) <= MAX_LOGPROB_ENTRIES:
+        return params
+    prompt_entries = num_logprob_entries(num_prompt, dataclasses.replace(params, logprobs=None))
+    fitting = (MAX_LOGPROB_ENTRIES - prompt_entries) // (params.n * (params.logprobs + 1))
+    return dataclasses.replace(params, max_tokens=max(1, params.min_tokens, fitting))
 
 
 def sampling_params(

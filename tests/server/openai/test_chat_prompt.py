@@ -15,7 +15,7 @@ from nanoserve.server.openai.api_models import ChatMessage
 from nanoserve.server.openai.chat_prompt import (
     RESERVED_TEMPLATE_ARGS,
     check_template_kwargs,
-    num_content_chars,
+    num_message_chars,
     render_chat_prompt,
     request_chat_template,
 )
@@ -111,8 +111,13 @@ def test_the_rendered_prompt_is_measured_before_tokenizing(pool: TokenizerPool) 
     assert len(render(pool, long_template, max_chars=5002)) == 5002
 
 
-def test_content_characters() -> None:
+def test_every_string_a_message_hands_the_template_is_counted() -> None:
     parts = ChatMessage.model_validate(
         {"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "text"}]}
     )
-    assert num_content_chars([*USER, parts, ChatMessage(role="assistant")]) == 5
+    call = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}  # keys count too
+    tool_call = ChatMessage.model_validate({"role": "assistant", "tool_calls": [call]})
+    assert num_message_chars([*USER, parts]) == len("userhiuserabc")
+    assert num_message_chars([tool_call]) == len("assistanttool_callsidc1") + len(
+        "functionnamefarguments{}"
+    )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+
 from nanoserve.server.openai.response_store import ResponseStore
 
 
@@ -38,3 +41,24 @@ def test_delete_and_replace_keep_the_byte_count() -> None:
     assert store.num_bytes == size and len(store) == 1
     assert store.delete("a") and not store.delete("a")
     assert store.num_bytes == 0 and store.get("a") is None
+
+
+def test_the_byte_count_is_the_memory_the_store_holds() -> None:
+    # A response's objects (a dict per entry, a str per key and value) take several times their
+    # JSON size: the store holds its responses encoded, so the bytes counted are the bytes held.
+    store = ResponseStore()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        metadata = {f"k{i}": f"v{i}" for i in range(100_000)}
+        store.put({"id": "a", "metadata": metadata}, [{"role": "user", "content": "hi"}])
+        del metadata
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.num_bytes <= held <= 1.2 * store.num_bytes + 4096, (held, store.num_bytes)
+    entry = store.get("a")
+    assert entry is not None and entry.response["metadata"]["k99999"] == "v99999"
+    assert entry.messages == [{"role": "user", "content": "hi"}]

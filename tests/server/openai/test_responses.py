@@ -157,3 +157,34 @@ def test_bad_requests(server: InProcessServer, fields: dict, status: int, param:
     response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
+
+
+LARGEST_METADATA = {f"{i:02d}".ljust(64, "k"): "v" * 512 for i in range(16)}
+
+
+@pytest.mark.parametrize(
+    ("metadata", "allowed"),
+    [
+        ({str(i): "v" for i in range(17)}, "at most 16 pairs"),
+        ({"k" * 65: "v"}, "keys of at most 64 characters"),
+        ({"k": "v" * 513}, "values of at most 512 characters"),
+        ({"k": 5}, "values of at most 512 characters"),
+    ],
+    ids=["17 pairs", "65-character key", "513-character value", "not a string"],
+)
+def test_metadata_over_openais_limits_is_a_400(
+    server: InProcessServer, metadata: dict, allowed: str
+) -> None:
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2, "metadata": metadata}
+    response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "metadata" and allowed in error["message"], error
+
+
+def test_metadata_at_openais_limits_is_stored(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model="tiny", input="Hi", max_output_tokens=2, metadata=LARGEST_METADATA
+    )
+    assert response.metadata == LARGEST_METADATA
+    assert client.responses.retrieve(response.id).metadata == LARGEST_METADATA
