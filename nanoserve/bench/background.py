@@ -4,7 +4,8 @@
 would); `memory=N` runs N processes that stream a 256 MB buffer through memory over and over
 (stress-ng's memory traffic). They run while each arm is measured, warm-up included, and end
 when it ends, however it ends: each is killed by process group, and each also exits on its own
-after `max_seconds` (so a killed benchmark cannot leave them spinning).
+once the process that started it is gone or after `max_seconds` (so a killed benchmark cannot
+leave them spinning).
 """
 
 from __future__ import annotations
@@ -17,21 +18,23 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-# Each hog checks the clock every so often and leaves at its deadline.
+# Each hog checks every so often the clock and its parent, and leaves at its deadline or once
+# the process that started it (argv[2], named by that process: one killed while the hog starts
+# would have been replaced by the time the hog could ask) is gone, its `finally` never run.
 CPU_HOG = """
-import sys, time
-deadline = time.monotonic() + float(sys.argv[1])
-while time.monotonic() < deadline:
+import os, sys, time
+deadline, parent = time.monotonic() + float(sys.argv[1]), int(sys.argv[2])
+while time.monotonic() < deadline and os.getppid() == parent:
     for _ in range(100_000):
         pass
 """
 MEMORY_HOG = """
-import sys, time
+import os, sys, time
 import numpy as np
-deadline = time.monotonic() + float(sys.argv[1])
+deadline, parent = time.monotonic() + float(sys.argv[1]), int(sys.argv[2])
 source = np.ones(32 << 20)  # 256 MB of float64
 target = np.empty_like(source)
-while time.monotonic() < deadline:
+while time.monotonic() < deadline and os.getppid() == parent:
     np.copyto(target, source)
 """
 DEFAULT_MAX_SECONDS = 4 * 3600.0
@@ -81,7 +84,7 @@ def running(load: BackgroundLoad, max_seconds: float = DEFAULT_MAX_SECONDS) -> I
         for script in scripts:
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", script, str(max_seconds)],
+                    [sys.executable, "-c", script, str(max_seconds), str(os.getpid())],
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,  # its own group: killed whole, never by Ctrl-C
                 )
