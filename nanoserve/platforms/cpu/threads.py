@@ -6,8 +6,10 @@ and over within one step: on a 2-core machine with one busy core, two threads de
 times slower than one (benchmarks/RESULTS.md). The cores a worker can use change while it runs,
 so the count is measured, not guessed: `ThreadGovernor` times the decode steps and now and then
 runs a few of them at a neighbouring count, interleaved with the current one; the faster count
-wins. A probe starts at once when the current count's steps suddenly slow down (a process took
-a core), and otherwise at intervals that grow while the answer stays the same.
+wins. A probe starts at once, toward fewer threads, when the current count's steps suddenly slow
+down (a process took a core), and otherwise at intervals that grow while the answer stays the
+same; a probe ends at the first timed step of the other count that is plainly slower than usual,
+since on a busy core each such step costs many ordinary ones.
 
 `GovernedRunner` is the step runner that applies it: it sets the count (`torch.set_num_threads`,
 which the C++ kernels' OpenMP regions and oneDNN share) before each step and reports the step's
@@ -71,22 +73,29 @@ class ThreadGovernor:
         self.recent = [*self.recent, seconds][-BASELINE_STEPS:]
         if self.num_decode_steps == FIRST_PROBE_AFTER_STEPS:
             self.next_probe_at = self.clock()
-        if is_slowdown or self.clock() >= self.next_probe_at:
-            self._start_probe(urgent=is_slowdown)
+        if is_slowdown and self.threads > 1:  # fewer cores now: fewer threads may be faster
+            self._start_probe(self.threads - 1)
+            self.interval_s = MIN_PROBE_INTERVAL_S
+        elif self.clock() >= self.next_probe_at:
+            self._start_probe(self._neighbour())
 
-    def _start_probe(self, urgent: bool) -> None:
-        """Interleave steps at the current count and at a neighbour; the first of each warms."""
-        neighbours = [n for n in (self.threads - 1, self.threads + 1) if 1 <= n <= self.max_threads]
-        other = neighbours[self.num_decode_steps % len(neighbours)]
+    def _neighbour(self) -> int:
+        """One count away from the current one, alternating down and up where both exist."""
+        counts = [n for n in (self.threads - 1, self.threads + 1) if 1 <= n <= self.max_threads]
+        return counts[self.num_decode_steps % len(counts)]
+
+    def _start_probe(self, other: int) -> None:
+        """Interleave steps at the current count and at `other`; the first of each warms."""
         self.probe = [self.threads, other] * (PROBE_STEPS + 1)
         self.samples = {self.threads: [], other: []}
-        if urgent:
-            self.interval_s = MIN_PROBE_INTERVAL_S
 
     def _record_probe(self, threads: int, seconds: float) -> None:
         expected = self.probe.pop(0)
         if threads == expected and len(self.probe) < 2 * PROBE_STEPS:  # past the warm-up pair
             self.samples[threads].append(seconds)
+            usual = statistics.median(self.recent) if self.recent else float("inf")
+            if threads != self.threads and seconds > SLOWDOWN_FACTOR * usual:
+                self.probe = []  # plainly slower (a pair on one free core): no more such steps
         if not self.probe:
             self._decide()
 

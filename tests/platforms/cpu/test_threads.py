@@ -12,6 +12,7 @@ from nanoserve.platforms.cpu import threads as governor_module
 from nanoserve.platforms.cpu.threads import (
     FIRST_PROBE_AFTER_STEPS,
     MAX_PROBE_INTERVAL_S,
+    PROBE_STEPS,
     GovernedRunner,
     ThreadGovernor,
 )
@@ -59,6 +60,26 @@ def test_a_stable_answer_is_probed_ever_less_often():
     assert governor.interval_s == MAX_PROBE_INTERVAL_S
     probe_steps = used.count(1)  # the only steps at one thread are probes
     assert 0 < probe_steps < 0.01 * len(used)
+
+
+def test_on_a_busy_core_probing_the_collapsed_count_costs_few_of_its_steps():
+    """At one thread beside a hog, a step now and then runs slow (the scheduler's slices): that
+    is no reason to try two threads, and a probe of two ends at its first collapsed step."""
+    clock = Clock()
+    governor = ThreadGovernor(2, clock)
+    used = run_steps(governor, clock, {1: 0.010, 2: 0.200}, 40)
+    assert governor.threads == 1
+    before = used.count(2)
+    used = []
+    for step in range(3000):  # 30 s of decoding at one thread, every 10th step 3x slower
+        threads = governor.threads_for(DECODE)
+        used.append(threads)
+        seconds = {1: 0.030 if step % 10 == 0 else 0.010, 2: 0.200}[threads]
+        clock.now += seconds
+        governor.observe(DECODE, threads, seconds)
+    assert governor.threads == 1
+    probes = 1 + 5  # the one soon after the switch, then at 2, 4, 8, 16 s ... within 30 s
+    assert before <= 2 + 2 * (PROBE_STEPS - 1) + 2 and used.count(2) <= 2 * probes
 
 
 def test_one_thread_never_probes_and_prefill_steps_are_not_timed():
