@@ -7,9 +7,10 @@ content that is safe to show and the tool-call pieces to stream (a call's id and
 then its arguments' raw text as it arrives, as vLLM streams them). When the output ends,
 `content` and `calls` are the whole message.
 
-A call that is not well formed (bad JSON, no name, arguments that are not an object, cut off)
-stays content text, never an error. The one case the stream cannot take back: a call whose
-name was already streamed and which then breaks; the final message has it as text.
+A call that is not well formed (bad JSON, no name, arguments that are not an object, cut off,
+nested deeper than MAX_JSON_DEPTH) stays content text, never an error (forced calls are
+dropped instead: forced.py). The one case the stream cannot take back: a call whose name was
+already streamed and which then breaks; the final message has it as text.
 """
 
 from __future__ import annotations

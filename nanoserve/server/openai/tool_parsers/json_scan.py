@@ -3,13 +3,17 @@
 It finds the top-level keys and the raw text span of each value, so that a parser can stream
 a call's name as soon as it is complete and its arguments as their raw text arrives, with no
 re-serialisation: the arguments a client receives are exactly what the model wrote, streamed
-or not. The finished object is checked with `json.loads`; anything else is malformed.
+or not. The finished object is checked with `json.loads`; anything else is malformed, and so is
+an object that nests deeper than MAX_JSON_DEPTH (what a request body may): the scanner counts
+its depth as it reads, so `json.loads` (recursive) never sees more than that.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from nanoserve.server.json_depth import MAX_JSON_DEPTH
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -94,7 +98,7 @@ class CallScanner:
         elif self._depth == 1:
             self._read_top_level(char, i)
         elif char in "{[":
-            self._depth += 1
+            self._open_bracket()
         elif char in "}]":
             self._depth -= 1
             if self._depth == 1:
@@ -128,12 +132,17 @@ class CallScanner:
         elif expect == "value":
             self._open_value(i)
             if char in "{[":
-                self._depth += 1
+                self._open_bracket()
         elif expect == "comma" and char == ",":
             self._expect = "key"
         elif char == "}" and (expect == "comma" or (expect == "key" and not self.spans)):
             self._depth, self.is_done = 0, True
         else:
+            self.is_malformed = True
+
+    def _open_bracket(self) -> None:
+        self._depth += 1
+        if self._depth > MAX_JSON_DEPTH:
             self.is_malformed = True
 
     def _open_value(self, start: int) -> None:
