@@ -108,6 +108,7 @@ def ipc_socket_path(worker_pid: int) -> Path:
     return Path(argv[argv.index("--to-worker") + 1].removeprefix("ipc://"))
 
 
+@pytest.mark.slow  # two worker restarts
 def test_each_replaced_worker_takes_its_socket_files_with_it(front_process: ServerProcess) -> None:
     server = front_process  # it replaces the workers this test kills
     for _ in range(2):
@@ -126,9 +127,7 @@ def test_each_replaced_worker_takes_its_socket_files_with_it(front_process: Serv
 
 def test_sigterm_finishes_in_flight_then_leaves_nothing(own_server: ServerProcess) -> None:
     [worker] = own_server.worker_pids()
-    cmdline = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
-    ipc_address = cmdline[cmdline.index(b"--to-worker") + 1].decode()
-    ipc_dir = Path(ipc_address.removeprefix("ipc://")).parent
+    ipc_dir = ipc_socket_path(worker).parent
     assert ipc_dir.is_dir() and (ipc_dir.stat().st_mode & 0o777) == 0o700
     body = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True}
     lines = stream_lines(own_server.url, body)

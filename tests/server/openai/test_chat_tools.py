@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hostile_constraints import deep_named_call, deep_sent_arguments
 from servers import InProcessServer
 
 from nanoserve.server.openai.api_models import ChatCompletionRequest
@@ -177,24 +178,8 @@ def test_required_cut_by_max_tokens_gives_the_complete_calls_only(client: openai
     assert complete == [(c["name"], c["arguments"]) for c in as_dicts(whole.message.tool_calls)]
 
 
-# Arguments that may nest without end, forced to by `[`: past MAX_JSON_DEPTH within max_tokens.
-NESTED = {
-    "type": "object",
-    "properties": {"a": {"$ref": "#/$defs/list"}},
-    "required": ["a"],
-    "$defs": {"list": {"type": "array", "items": {"$ref": "#/$defs/list"}}},
-}
-
-
 def test_named_arguments_nested_past_the_depth_limit_are_no_call(server: InProcessServer) -> None:
-    body = {
-        "model": "tiny",
-        "messages": MESSAGES,
-        "tools": [{"type": "function", "function": {"name": "nest", "parameters": NESTED}}],
-        "tool_choice": {"type": "function", "function": {"name": "nest"}},
-        "logit_bias": {str(ord("[")): 100},
-        "max_tokens": 200,
-    }
+    body = {"model": "tiny", **deep_named_call(max_tokens=200)}
     url = f"{server.url}/v1/chat/completions"
     response = httpx.post(url, json=body, timeout=60)
     assert response.status_code == 200, response.text[:300]
@@ -209,19 +194,15 @@ def test_named_arguments_nested_past_the_depth_limit_are_no_call(server: InProce
     assert all(not c["choices"][0]["delta"].get("content") for c in chunks)
 
 
-def test_sent_arguments_1000_deep_reach_the_template_as_their_text(server: InProcessServer) -> None:
-    deep = "[" * 1000 + "]" * 1000
-    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": deep}}
-    messages = [
-        *MESSAGES,
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
-    ]
-    response = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=60)
+def test_sent_arguments_1000_deep_reach_the_template_as_their_text(
+    server: InProcessServer,
+) -> None:
+    body = {"messages": deep_sent_arguments(1000)}
+    response = httpx.post(f"{server.url}/tokenize", json=body, timeout=60)
     error = response.json()["error"]  # rendered, with the 2,000 brackets: too long to serve
     assert (response.status_code, error["param"]) == (400, "messages"), error
-    assert re.search(r"your request has (\d+) input tokens", error["message"])
-    assert int(re.search(r"has (\d+) input", error["message"])[1]) > 2000
+    match = re.search(r"your request has (\d+) input tokens", error["message"])
+    assert match is not None and int(match[1]) > 2000
 
 
 def test_auto_reads_the_models_calls_streamed_and_not(auto_client: openai.OpenAI) -> None:
