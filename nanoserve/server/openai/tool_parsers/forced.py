@@ -40,7 +40,7 @@ class NamedToolCallParser(ToolParser):
         super().__init__()
         self._name = name
         self._id = new_tool_call_id()
-        self._arguments = ""
+        self._argument_pieces: list[str] = []  # joined once, at the end
         self._is_name_sent = False
 
     def feed(self, text: str) -> ParsedDelta:
@@ -49,7 +49,7 @@ class NamedToolCallParser(ToolParser):
             self._is_name_sent = True
             delta.tool_calls.append(ToolCallDelta(0, self._id, self._name))
         if text:
-            self._arguments += text
+            self._argument_pieces.append(text)
             if len(delta.tool_calls) == 1:
                 delta.tool_calls[0].arguments = text
             else:
@@ -57,10 +57,11 @@ class NamedToolCallParser(ToolParser):
         return delta
 
     def finish(self) -> ParsedDelta:
+        arguments = "".join(self._argument_pieces)
         try:
-            is_object = isinstance(loads_bounded(self._arguments), dict)
+            is_object = isinstance(loads_bounded(arguments), dict)
         except ValueError:  # cut short, or nested too deeply: dropped
             is_object = False
         if is_object:
-            self.calls.append(ToolCall(self._name, self._arguments, self._id))
+            self.calls.append(ToolCall(self._name, arguments, self._id))
         return ParsedDelta()
