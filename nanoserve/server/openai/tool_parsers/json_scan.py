@@ -90,6 +90,8 @@ class CallScanner:
         return call["name"], self.arguments_text()
 
     def _chars(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
         last = self._pieces[-1] if self._pieces else ""
         last_start = self.num_chars - len(last)
         if start >= last_start:
