@@ -20,7 +20,11 @@ from nanoserve.common.protocol import WorkerAddresses, front_codec
 
 
 class IpcDirectory:
-    """A private (0700) temp directory for ipc:// socket files, removed by `cleanup()`."""
+    """A private (0700) temp directory for ipc:// socket files, removed by `cleanup()`.
+
+    Closing a bound socket leaves its file (libzmq removes only those of wildcard binds), so a
+    generation's files are removed when it ends (`remove`): the directory holds the live one's.
+    """
 
     def __init__(self) -> None:
         self.path = Path(tempfile.mkdtemp(prefix="nanoserve-"))
@@ -28,9 +32,17 @@ class IpcDirectory:
 
     def addresses(self, generation: int) -> WorkerAddresses:
         return WorkerAddresses(
-            to_worker=f"ipc://{self.path}/to_worker_{generation}.sock",
-            to_front=f"ipc://{self.path}/to_front_{generation}.sock",
+            to_worker=f"ipc://{self._file(generation, 'to_worker')}",
+            to_front=f"ipc://{self._file(generation, 'to_front')}",
         )
+
+    def remove(self, generation: int) -> None:
+        """Remove a generation's socket files (its sockets are closed, its worker gone)."""
+        for direction in ("to_worker", "to_front"):
+            self._file(generation, direction).unlink(missing_ok=True)
+
+    def _file(self, generation: int, direction: str) -> Path:
+        return self.path / f"{direction}_{generation}.sock"
 
     def cleanup(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

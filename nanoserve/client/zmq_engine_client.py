@@ -202,6 +202,7 @@ class ZmqEngineClient(EngineClient):
         if self._sockets is not None:
             self._sockets.close()
             self._sockets = None
+            self._ipc.remove(self._generation)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Tell the worker to exit, wait for it (kill it after `timeout_s`), clean up sockets.

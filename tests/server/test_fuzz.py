@@ -1,24 +1,35 @@
 """Never a 500: the real server under schemathesis (every route's documented request schema,
-valid and invalid bodies) and under a corpus of hostile bodies of our own.
+valid and invalid bodies), under a corpus of hostile bodies of our own, and under a
+property-based fuzz of the structured-output and tool fields, whose every 200 must satisfy its
+constraint.
 
 Each part is bounded: a fixed number of generated examples per route on a server whose short
-context keeps every generation quick, and a fixed corpus. Afterwards the server must be
-healthy, with the same engine, nothing running, no KV block in use and no traceback in its log.
+context keeps every generation quick, a fixed corpus, a few constraint examples (a longer run is
+marked slow). Afterwards the server must be healthy, with the same engine, nothing running, no
+KV block in use and no traceback in its log.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hostile_constraints import CHAT, COMPLETIONS, ISSUE_CASES, USER
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from servers import InProcessServer, read_metrics
 
-C, CHAT, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+C, TOK, DETOK = COMPLETIONS, "/tokenize", "/detokenize"
 JSON = {"Content-Type": "application/json"}
-USER = [{"role": "user", "content": "hi"}]
 FUZZ_EXAMPLES_PER_ROUTE = 25
 RECURSIVE_MACRO = "{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}"
 
@@ -110,6 +121,9 @@ HOSTILE = [
     ("detokenize 2^63", DETOK, {"tokens": [2**63]}, {}, 400),
     ("detokenize 2,048 ids", DETOK, {"tokens": [65] * 2048}, {}, 200),  # 2 x max_model_len
     ("detokenize 200,000 ids", DETOK, {"tokens": [65] * 200_000}, {}, 400),
+    # the hardening issue's constraints and tool calls (their own tests: test_constraint_limits.py,
+    # test_sandbox.py, test_chat_tools.py)
+    *[(case.name, case.path, case.body, {}, case.status) for case in ISSUE_CASES],
 ]  # fmt: skip
 
 
@@ -190,3 +204,274 @@ def test_schemathesis_finds_no_server_error(case) -> None:
 
 def test_the_fuzzed_server_is_unharmed(trusting_server: InProcessServer) -> None:
     assert_unharmed(trusting_server, trusting_server.engine_ids())
+
+
+# ---- property-based: the structured-output and tool fields ----
+#
+# Constraints drawn from a grammar of small schemas, regexes, Lark grammars, choice lists and
+# tool lists (plus hostile ones past the front's bounds, and garbage), sent to the real server:
+# every answer is a 400 or an output its constraint accepts, checked by an independent judge
+# (jsonschema, `re.fullmatch`, membership); afterwards the server is unharmed.
+
+CONSTRAINT_EXAMPLES = 16  # the default run; the slow fuzz draws SLOW_CONSTRAINT_EXAMPLES
+SLOW_CONSTRAINT_EXAMPLES = 150
+WORDS = st.text(alphabet="abcxyz019 _", min_size=1, max_size=4)
+# Rust's regex syntax (llguidance) and Python's agree on these (not on \d: Unicode's digits, in
+# two versions of Unicode).
+ATOMS = st.one_of(WORDS.map(re.escape), st.sampled_from(["[a-c]", "[0-9]", "[xyz_]", "."]))
+QUANTIFIERS = st.sampled_from(["", "?", "*", "+", "{2}", "{1,3}", "{0,2}"])
+REGEXES = st.lists(
+    st.lists(st.builds(lambda a, q: f"(?:{a}){q}", ATOMS, QUANTIFIERS), min_size=1, max_size=3).map(
+        "".join
+    ),
+    min_size=1,
+    max_size=3,
+).map("|".join)
+HOSTILE_SCHEMAS = st.sampled_from(
+    [
+        {"anyOf": [{"const": i} for i in range(2001)]},
+        {
+            "$ref": "#/$defs/d0",
+            "$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(200)},
+        },
+        json.loads('{"type": "array", "items": ' * 130 + "{}" + "}" * 130),
+    ]
+)
+
+
+def objects(children: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
+    """Object schemas over `children`: some properties, some of them required, no others."""
+    properties = st.dictionaries(st.sampled_from("abcd"), children, min_size=1, max_size=3)
+    return properties.flatmap(
+        lambda props: st.sets(st.sampled_from(sorted(props))).map(
+            lambda required: {
+                "type": "object",
+                "properties": props,
+                "required": sorted(required),
+                "additionalProperties": False,
+            }
+        )
+    )
+
+
+LEAF_SCHEMAS = st.one_of(
+    st.sampled_from([{"type": "boolean"}, {"type": "null"}, {"type": "number"}]),
+    st.builds(
+        lambda low, span: {"type": "integer", "minimum": low, "maximum": low + span},
+        st.integers(-50, 50),
+        st.integers(0, 100),
+    ),
+    st.integers(0, 6).map(lambda n: {"type": "string", "maxLength": n}),
+    REGEXES.map(lambda regex: {"type": "string", "pattern": regex}),
+    st.lists(WORDS, min_size=1, max_size=4, unique=True).map(lambda words: {"enum": words}),
+    WORDS.map(lambda word: {"const": word}),
+)
+
+
+def schemas(max_leaves: int) -> st.SearchStrategy[dict]:
+    """Schemas of up to `max_leaves` leaves: arrays, objects and anyOf over them."""
+    return st.recursive(
+        LEAF_SCHEMAS,
+        lambda children: st.one_of(
+            st.builds(
+                lambda items, n: {"type": "array", "items": items, "maxItems": n},
+                children,
+                st.integers(0, 3),
+            ),
+            objects(children),
+            st.lists(children, min_size=2, max_size=3).map(lambda branches: {"anyOf": branches}),
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+SCHEMAS = schemas(max_leaves=6)
+
+
+@st.composite
+def grammars(draw: st.DrawFn) -> tuple[str, str]:
+    """A Lark grammar of literals and regex terminals, and the Python regex of its language."""
+    lark, python = [], []
+    for _ in range(draw(st.integers(1, 3))):
+        pieces = draw(
+            st.lists(
+                st.one_of(WORDS.map(str), REGEXES.map(lambda regex: (regex,))),
+                min_size=1,
+                max_size=3,
+            )
+        )
+        lark.append(
+            " ".join(f"/{p[0]}/" if isinstance(p, tuple) else json.dumps(p) for p in pieces)
+        )
+        python.append(
+            "".join(f"(?:{p[0]})" if isinstance(p, tuple) else re.escape(p) for p in pieces)
+        )
+    return "start: " + " | ".join(lark), "|".join(f"(?:{p})" for p in python)
+
+
+@dataclass(frozen=True)
+class Constrained:
+    """A drawn request body, and how to judge a 200's output (None: garbage, only no 5xx)."""
+
+    path: str
+    body: dict
+    kind: str  # json | regex | grammar | choice | tools | garbage
+    judge: Any = None
+
+
+@st.composite
+def constrained_requests(draw: st.DrawFn) -> Constrained:
+    kind = draw(st.sampled_from(["json", "regex", "grammar", "choice", "tools", "garbage"]))
+    base = {"max_tokens": 48, "temperature": draw(st.sampled_from([0, 1.0])), "seed": 0}
+    if kind == "tools":
+        return draw(tool_requests(base))
+    if kind == "json":
+        value = draw(st.one_of(SCHEMAS, HOSTILE_SCHEMAS)) if draw(st.booleans()) else draw(SCHEMAS)
+        judge: Any = value
+    elif kind == "regex":
+        value = judge = draw(st.one_of(REGEXES, st.just("a{1000000}"), st.just("(?:b|c){5}")))
+    elif kind == "grammar":
+        value, judge = draw(grammars())
+    elif kind == "choice":
+        nonempty = st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=5)
+        value = judge = draw(st.one_of(nonempty, st.just([]), st.just(["a", ""])))
+    else:  # a field of any kind holding any text
+        kind_of = draw(st.sampled_from(["regex", "grammar", "json"]))
+        return Constrained(
+            COMPLETIONS,
+            {**base, "prompt": "x", f"guided_{kind_of}": draw(st.text(max_size=12))},
+            kind,
+        )
+    if draw(st.booleans()):
+        return Constrained(
+            COMPLETIONS, {**base, "prompt": "x", f"guided_{kind}": value}, kind, judge
+        )
+    body = {**base, "messages": USER, "structured_outputs": {kind: value}}
+    return Constrained(CHAT, {**body, "stream": draw(st.booleans())}, kind, judge)
+
+
+@st.composite
+def tool_requests(draw: st.DrawFn, base: dict) -> Constrained:
+    schemas = draw(st.lists(objects(SCHEMAS), min_size=1, max_size=4))
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": schema}}
+        for i, schema in enumerate(schemas)
+    ]
+    named = draw(st.none() | st.integers(0, len(tools) - 1))
+    choice = (
+        "required" if named is None else {"type": "function", "function": {"name": f"f{named}"}}
+    )
+    body = {**base, "max_tokens": 96, "messages": USER, "tools": tools, "tool_choice": choice}
+    return Constrained(CHAT, {**body, "stream": draw(st.booleans())}, "tools", (tools, named))
+
+
+@pytest.fixture(scope="module")
+def constraint_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[InProcessServer]:
+    """The tiny model with a template that shows no tools: any tool list leaves room to answer."""
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    flags = ("--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with InProcessServer(tiny_model, log, *flags) as server:
+        yield server
+
+
+def answer(server: InProcessServer, request: Constrained) -> tuple[int, list[dict]]:
+    """The status and each choice's {"text", "tool_calls", "finish_reason"}, streamed or not."""
+    url = f"{server.url}{request.path}"
+    if not request.body.get("stream"):
+        response = httpx.post(url, json=request.body, timeout=120)
+        if response.status_code != 200:
+            return response.status_code, []
+        choices = response.json()["choices"]
+        if request.path == COMPLETIONS:
+            return 200, [{"text": c["text"], "finish_reason": c["finish_reason"]} for c in choices]
+        return 200, [
+            {**c["message"], "text": c["message"]["content"], "finish_reason": c["finish_reason"]}
+            for c in choices
+        ]
+    with httpx.stream("POST", url, json=request.body, timeout=120) as response:
+        if response.status_code != 200:
+            return response.status_code, []
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all("error" not in chunk for chunk in chunks), chunks[-1]
+    text, calls, finish_reason = "", {}, None
+    for chunk in chunks:
+        delta = chunk["choices"][0]["delta"]
+        text += delta.get("content") or ""
+        for piece in delta.get("tool_calls") or []:
+            call = calls.setdefault(piece["index"], {"name": "", "arguments": ""})
+            call["name"] += piece["function"].get("name") or ""
+            call["arguments"] += piece["function"].get("arguments") or ""
+        finish_reason = chunk["choices"][0]["finish_reason"] or finish_reason
+    tool_calls = [{"function": calls[i]} for i in sorted(calls)]
+    return 200, [{"text": text or None, "tool_calls": tool_calls, "finish_reason": finish_reason}]
+
+
+def judge(request: Constrained, choice: dict) -> None:
+    """The output satisfies its constraint (a finished one; a cut one where that is checkable)."""
+    kind, text, finish_reason = request.kind, choice["text"] or "", choice["finish_reason"]
+    if kind == "tools":
+        judge_tool_calls(request, choice)
+    elif kind == "choice":
+        assert finish_reason == "stop" and text in request.judge, (text, request.judge)
+    elif finish_reason != "stop" or request.judge is None:
+        return  # cut off by max_tokens: a prefix; garbage: only no 5xx
+    elif kind == "json":
+        jsonschema.validate(json.loads(text), request.judge)
+    else:
+        assert re.fullmatch(request.judge, text), (text, request.judge)
+
+
+def judge_tool_calls(request: Constrained, choice: dict) -> None:
+    """Forced calls: no content; every call (streamed: every one the message kept) valid."""
+    tools, named = request.judge
+    assert not choice["text"], choice
+    calls = choice.get("tool_calls") or []
+    if request.body.get("stream") and choice["finish_reason"] == "length":
+        calls = calls[:-1]  # the stream showed the start of the call that was cut
+    for call in calls:
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        assert named is None or name == f"f{named}", (name, named)
+        schema = tools[int(name.removeprefix("f"))]["function"]["parameters"]
+        jsonschema.validate(json.loads(arguments), schema)
+
+
+def check_constrained(server: InProcessServer, request: Constrained) -> None:
+    status, choices = answer(server, request)
+    assert status in (200, 400), (status, request)
+    for choice in choices:
+        event(f"{request.kind}: {choice['finish_reason']}")  # --hypothesis-show-statistics
+        judge(request, choice)
+    if not choices:
+        event(f"{request.kind}: {status}")
+
+
+FUZZ_SETTINGS = {
+    "deadline": timedelta(seconds=60),  # one example: a compile (probe) and 96 tokens at most
+    "database": None,
+    "suppress_health_check": list(HealthCheck),
+}
+
+
+@given(request=constrained_requests())
+@settings(max_examples=CONSTRAINT_EXAMPLES, **FUZZ_SETTINGS)
+def test_constrained_outputs_satisfy_their_constraint(
+    constraint_server: InProcessServer, request: Constrained
+) -> None:
+    check_constrained(constraint_server, request)
+
+
+@pytest.mark.slow
+@given(request=constrained_requests())
+@settings(max_examples=SLOW_CONSTRAINT_EXAMPLES, **FUZZ_SETTINGS)
+def test_constrained_outputs_satisfy_their_constraint_at_length(
+    constraint_server: InProcessServer, request: Constrained
+) -> None:
+    check_constrained(constraint_server, request)
+
+
+def test_the_constraint_fuzzed_server_is_unharmed(constraint_server: InProcessServer) -> None:
+    assert_unharmed(constraint_server, constraint_server.engine_ids())

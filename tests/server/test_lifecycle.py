@@ -102,11 +102,32 @@ def test_worker_killed_mid_stream_then_restarted(front_process: ServerProcess) -
     assert response.json()["usage"]["completion_tokens"] >= 1
 
 
+def ipc_socket_path(worker_pid: int) -> Path:
+    """The front's socket file a worker connects to, from its command line."""
+    argv = Path(f"/proc/{worker_pid}/cmdline").read_bytes().decode().split("\0")
+    return Path(argv[argv.index("--to-worker") + 1].removeprefix("ipc://"))
+
+
+@pytest.mark.slow  # two worker restarts
+def test_each_replaced_worker_takes_its_socket_files_with_it(front_process: ServerProcess) -> None:
+    server = front_process  # it replaces the workers this test kills
+    for _ in range(2):
+        [worker] = server.worker_pids()
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda w=worker: server.worker_pids() not in ([], [w]), 60, "a new worker")
+        server.wait_healthy(timeout_s=120)
+    [worker] = server.worker_pids()
+    to_worker = ipc_socket_path(worker)
+    generation = to_worker.name.removeprefix("to_worker_")
+    assert sorted(p.name for p in to_worker.parent.iterdir()) == [
+        f"to_front_{generation}",
+        f"to_worker_{generation}",
+    ]
+
+
 def test_sigterm_finishes_in_flight_then_leaves_nothing(own_server: ServerProcess) -> None:
     [worker] = own_server.worker_pids()
-    cmdline = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
-    ipc_address = cmdline[cmdline.index(b"--to-worker") + 1].decode()
-    ipc_dir = Path(ipc_address.removeprefix("ipc://")).parent
+    ipc_dir = ipc_socket_path(worker).parent
     assert ipc_dir.is_dir() and (ipc_dir.stat().st_mode & 0o777) == 0o700
     body = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "stream": True}
     lines = stream_lines(own_server.url, body)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hostile_constraints import ref_chain, rule_chain, slow_grammar
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.sampling_params import StructuredOutputsParams
@@ -20,32 +21,6 @@ from nanoserve.structured_output.sandbox import GrammarSandbox
 from nanoserve.text.tokenizer import load_tokenizer
 
 VOCAB_SIZE, EOS = 320, 258
-
-
-def ref_chain(num_refs: int) -> dict:
-    """A schema whose $defs chain d0 -> d1 -> ... nests an object per link (llguidance 1.9
-    overflows its stack compiling a thousand of them)."""
-    defs = {
-        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
-        for i in range(num_refs)
-    }
-    defs[f"d{num_refs}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def rule_chain(num_rules: int) -> str:
-    """A Lark grammar of rules each naming the next (3,000 overflow llguidance's stack)."""
-    rules = "\n".join(f'r{i}: "a" r{i + 1}' for i in range(num_rules))
-    return f'start: r0\n{rules}\nr{num_rules}: "a"'
-
-
-def slow_grammar() -> str:
-    """About 800 KB of Lark: rules of 50 alternatives each (seconds to compile)."""
-    rules = "\n".join(
-        f"r{i}: " + " | ".join(f'"w{i}_{j}" r{(i + 1) % 1000}' for j in range(50))
-        for i in range(1000)
-    )
-    return f"start: r0\n{rules}"
 
 
 CRASHING = {

@@ -17,13 +17,13 @@ The template shows the tools in every case, so the prompt is the same whatever t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.common.sampling_params import StructuredOutputsParams
 from nanoserve.server.errors import APIError
+from nanoserve.server.json_depth import loads_bounded
 from nanoserve.server.openai.api_models import ChatCompletionRequest, ChatTool
 from nanoserve.server.openai.constraint_limits import MAX_ALTERNATIVES
 from nanoserve.server.openai.tool_parsers import (
@@ -134,8 +134,8 @@ def templated_tool_calls(tool_calls: Any) -> Any:
     """An assistant message's tool calls for the template: JSON-string arguments as objects.
 
     OpenAI clients send `arguments` as a JSON string; chat templates expect a mapping (they
-    `tojson` it), so a string would be quoted twice. Arguments that are not a JSON object stay
-    as they are.
+    `tojson` it), so a string would be quoted twice. Arguments that are not a JSON object, or
+    nest deeper than MAX_JSON_DEPTH, stay as they are.
     """
     if not isinstance(tool_calls, list):
         return tool_calls
@@ -144,8 +144,8 @@ def templated_tool_calls(tool_calls: Any) -> Any:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
             try:
-                arguments = json.loads(function["arguments"])
-            except ValueError:
+                arguments = loads_bounded(function["arguments"])
+            except ValueError:  # not JSON, or nested deeper than a request body may
                 arguments = None
             if isinstance(arguments, dict):
                 call = {**call, "function": {**function, "arguments": arguments}}

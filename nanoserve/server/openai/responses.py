@@ -4,7 +4,9 @@ A Responses request becomes a chat completion: `instructions` a system message, 
 chat messages (`function_call` items an assistant turn's tool calls, `function_call_output`
 items tool messages), function tools chat tools, `text.format` a response_format. The chat
 path does the rest (`chat.start_chat`: checks, template, tools, structured output, the run);
-`OutputItems` turns its parsed output into output items and typed stream events. Stored
+`OutputItems` turns its parsed output into output items and typed stream events; a function
+call the parser did not finish (cut off by max_output_tokens) is left out of the response, as
+out of a chat message, though its stream has shown its start. Stored
 responses (`store`, on by default) keep their conversation in a bounded `ResponseStore`, so that
 `previous_response_id` continues it.
 """
@@ -132,11 +134,21 @@ async def whole_turn(turn: Turn) -> dict[str, Any]:
     """The whole response, once the run has finished."""
     await turn.run.finish()
     [choice] = turn.run.choices
-    output = OutputItems()
-    for parsed in _parsed(_parser(turn), choice.text, is_final=True):
+    output, parser = OutputItems(), _parser(turn)
+    for parsed in _parsed(parser, choice.text, is_final=True):
         output.add(parsed)
     output.close()
-    return _finish(turn, output.items, choice)
+    return _finish(turn, _complete_calls_only(output.items, parser), choice)
+
+
+def _complete_calls_only(items: list[dict[str, Any]], parser: ToolParser | None) -> list[dict]:
+    """The items without a function call the parser did not finish (cut by max_output_tokens,
+    or broken): the chat message's calls, and what a later turn carries (the stream has
+    already shown its start)."""
+    if parser is None:
+        return items
+    finished = {call.id for call in parser.calls}
+    return [i for i in items if i["type"] != "function_call" or i["call_id"] in finished]
 
 
 async def turn_events(turn: Turn) -> AsyncIterator[NamedEvent]:
@@ -157,7 +169,7 @@ async def turn_events(turn: Turn) -> AsyncIterator[NamedEvent]:
                     yield event(data)
     for data in output.close():
         yield event(data)
-    final = _finish(turn, output.items, turn.run.choices[0])
+    final = _finish(turn, _complete_calls_only(output.items, parser), turn.run.choices[0])
     yield event({"type": f"response.{final['status']}", "response": final})
 
 

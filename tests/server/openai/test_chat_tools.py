@@ -4,6 +4,7 @@ parsed out of the output (streamed and not, identically), and the openai SDK's r
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hostile_constraints import deep_named_call, deep_sent_arguments
 from servers import InProcessServer
 
 from nanoserve.server.openai.api_models import ChatCompletionRequest
@@ -144,6 +146,63 @@ def test_forced_calls_stream_as_they_answer(client: openai.OpenAI, tool_choice) 
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c["name"], c["arguments"]) for c in as_dicts(whole.message.tool_calls)
     ]
+
+
+CHOOSE = {
+    "type": "object",
+    "properties": {"z": {"enum": ["A", "B"]}},
+    "required": ["z"],
+    "additionalProperties": False,
+}
+
+
+def test_required_cut_by_max_tokens_gives_the_complete_calls_only(client: openai.OpenAI) -> None:
+    kwargs = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "tools": [{"type": "function", "function": {"name": "t", "parameters": CHOOSE}}],
+        "tool_choice": "required",
+        "logit_bias": {str(ord("]")): -100},  # the list of calls never closes
+        "temperature": 0,
+        "max_tokens": 60,  # a call is about 40 tokens: one call and a piece of the next
+    }
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None
+    assert len(whole.message.tool_calls) >= 1
+    for call in whole.message.tool_calls:
+        assert call.function.name == "t"
+        jsonschema.validate(json.loads(call.function.arguments), CHOOSE)
+    content, calls, finish_reason = stream_message(client, **kwargs)
+    assert (content, finish_reason) == (None, "length")
+    complete = [(c["name"], c["arguments"]) for c in calls[: len(whole.message.tool_calls)]]
+    assert complete == [(c["name"], c["arguments"]) for c in as_dicts(whole.message.tool_calls)]
+
+
+def test_named_arguments_nested_past_the_depth_limit_are_no_call(server: InProcessServer) -> None:
+    body = {"model": "tiny", **deep_named_call(max_tokens=200)}
+    url = f"{server.url}/v1/chat/completions"
+    response = httpx.post(url, json=body, timeout=60)
+    assert response.status_code == 200, response.text[:300]
+    [choice] = response.json()["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] is None and not choice["message"].get("tool_calls")
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as stream:
+        lines = [line for line in stream.iter_lines() if line]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]" and all("error" not in chunk for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(not c["choices"][0]["delta"].get("content") for c in chunks)
+
+
+def test_sent_arguments_1000_deep_reach_the_template_as_their_text(
+    server: InProcessServer,
+) -> None:
+    body = {"messages": deep_sent_arguments(1000)}
+    response = httpx.post(f"{server.url}/tokenize", json=body, timeout=60)
+    error = response.json()["error"]  # rendered, with the 2,000 brackets: too long to serve
+    assert (response.status_code, error["param"]) == (400, "messages"), error
+    match = re.search(r"your request has (\d+) input tokens", error["message"])
+    assert match is not None and int(match[1]) > 2000
 
 
 def test_auto_reads_the_models_calls_streamed_and_not(auto_client: openai.OpenAI) -> None:

@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from hostile_constraints import COMPLETIONS, ISSUE_CASES, ref_chain
 from servers import InProcessServer
 
 from nanoserve.common.sampling_params import StructuredOutputsParams
@@ -21,9 +22,6 @@ from nanoserve.server.openai.constraint_limits import (
     check_constraint,
 )
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-USER = [{"role": "user", "content": "hi"}]
-
 
 def nested_objects(levels: int) -> dict:
     """An object schema `levels` objects deep (2 JSON levels each: the object, `properties`)."""
@@ -31,16 +29,6 @@ def nested_objects(levels: int) -> dict:
     for _ in range(levels):
         schema = {"type": "object", "properties": {"x": schema}}
     return schema
-
-
-def ref_chain(num_refs: int) -> dict:
-    """$defs d0 -> d1 -> ... each nesting an object around a $ref to the next."""
-    defs = {
-        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
-        for i in range(num_refs)
-    }
-    defs[f"d{num_refs}"] = {"type": "string"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
 
 
 def any_of(num_branches: int) -> dict:
@@ -158,32 +146,12 @@ def assert_400(response: httpx.Response, param: str, words: str) -> None:
 
 
 def test_the_issue_cases_are_400s_naming_their_field(server: InProcessServer) -> None:
-    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(2001)]
-    cases = [
-        ({"messages": USER, "tools": tools, "tool_choice": "required"}, "tools", "2001"),
-        (
-            {
-                "messages": USER,
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {"schema": ref_chain(1000)},
-                },
-            },
-            "response_format",
-            "$refs",
-        ),
-        (
-            {"messages": USER, "structured_outputs": {"regex": "a{1000000}"}},
-            "structured_outputs",
-            "repeats",
-        ),
-    ]
-    for body, param, words in cases:
-        assert_400(post(server, CHAT, {**body, "max_tokens": 4}), param, words)
-    rules = "\n".join(f'r{i}: "a" r{i + 1}' for i in range(3000))
-    grammar = f'start: r0\n{rules}\nr3000: "a"'
-    body = {"prompt": "x", "max_tokens": 4, "guided_grammar": grammar}
-    assert_400(post(server, COMPLETIONS, body), "guided_grammar", "rules")
+    refused = [case for case in ISSUE_CASES if case.status == 400]
+    assert {"tools", "response_format", "structured_outputs", "guided_grammar"} <= {
+        case.param for case in refused
+    }
+    for case in refused:
+        assert_400(post(server, case.path, case.body), case.param, case.words)
 
 
 def test_2001_choices_hold_their_constraint(server: InProcessServer) -> None:

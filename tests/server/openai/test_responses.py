@@ -129,6 +129,22 @@ def test_a_streamed_function_call(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(arguments), TIME)
 
 
+def test_a_call_cut_by_max_output_tokens_is_not_in_the_output(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model="tiny", input="Time?", tools=TOOLS, max_output_tokens=5,
+        tool_choice={"type": "function", "name": "get_time"},
+    )  # fmt: skip
+    assert response.status == "incomplete" and response.output == []
+    events = list(
+        client.responses.create(
+            model="tiny", input="Time?", tools=TOOLS, max_output_tokens=5, stream=True,
+            tool_choice={"type": "function", "name": "get_time"},
+        )
+    )  # fmt: skip
+    assert "response.function_call_arguments.delta" in [e.type for e in events]  # shown, cut
+    assert events[-1].type == "response.incomplete" and events[-1].response.output == []
+
+
 def test_stored_responses_can_be_read_and_deleted(
     client: openai.OpenAI, server: InProcessServer
 ) -> None:

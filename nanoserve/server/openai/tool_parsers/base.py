@@ -7,9 +7,10 @@ content that is safe to show and the tool-call pieces to stream (a call's id and
 then its arguments' raw text as it arrives, as vLLM streams them). When the output ends,
 `content` and `calls` are the whole message.
 
-A call that is not well formed (bad JSON, no name, arguments that are not an object, cut off)
-stays content text, never an error. The one case the stream cannot take back: a call whose
-name was already streamed and which then breaks; the final message has it as text.
+A call that is not well formed (bad JSON, no name, arguments that are not an object, cut off,
+nested deeper than MAX_JSON_DEPTH) stays content text, never an error (forced calls are
+dropped instead: forced.py). The one case the stream cannot take back: a call whose name was
+already streamed and which then breaks; the final message has it as text.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class ToolParser:
         """Feed the buffer to the open call; True once it is finished (well formed or not)."""
         call = self._open
         assert call is not None
-        if not call.scanner.text:
+        if not call.scanner.num_chars:
             stripped = self._buffer.lstrip()
             call.opening += self._buffer[: len(self._buffer) - len(stripped)]
             self._buffer = stripped
@@ -166,10 +167,9 @@ class ToolParser:
             self._delta.tool_calls.append(ToolCallDelta(call.index, call.id, name))
         if not call.is_name_sent:
             return
-        arguments = call.scanner.arguments_text()
-        new = arguments[call.num_argument_chars_sent :]
+        new = call.scanner.arguments_text(since=call.num_argument_chars_sent)
         if new:
-            call.num_argument_chars_sent = len(arguments)
+            call.num_argument_chars_sent += len(new)
             last = self._delta.tool_calls[-1] if self._delta.tool_calls else None
             if last is not None and last.index == call.index:
                 last.arguments += new
