@@ -7,9 +7,9 @@ keep hostile constraints from holding the worker's compile threads. Each is llgu
 limit where it has one:
 
 - MAX_CONSTRAINT_BYTES (512 KiB): a schema's JSON, a regex, a grammar or a choice list. The
-  slowest grammar this size we know of (1,000 Lark rules of 50 alternatives each) takes about
-  1.5 s to compile here, far inside the worker's deadline; llguidance's JSON compiler refuses
-  schemas about twice this size anyway ("schema too large").
+  slowest grammar under it we know of (1,000 Lark rules of 29 alternatives each, the
+  attacker of benchmarks/grammar_attacker.py) compiles well inside the worker's 10 s deadline;
+  llguidance's JSON compiler refuses schemas about twice this size anyway ("schema too large").
 - MAX_SCHEMA_DEPTH (128): how deep a schema nests with its `$ref`s followed. 128 is the depth
   serde_json, llguidance's parser, allows the schema document itself; llguidance resolves
   `$ref` chains recursively, and a chain of a thousand nested links overflows its stack.
