@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import logging
 import os
 import sys
 import tempfile
@@ -52,13 +53,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _release_interrupted_frames(interrupt: KeyboardInterrupt) -> None:
     """Free what the interrupt's frames held, quietly. An interrupt can land between a
-    coroutine's creation and its first step (`asyncio.run` not yet started); collected at exit,
-    such a coroutine would warn "never awaited" after the one line `main` promises."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
-        traceback.clear_frames(interrupt.__traceback__)
-        interrupt.__traceback__ = None
-        gc.collect()
+    coroutine's creation and its first step (`asyncio.run` not yet started), or inside a
+    request's task; collected, such a coroutine warns "never awaited" and such a task logs
+    "Task exception was never retrieved" with the interrupt's traceback, around the one line
+    `main` promises."""
+    asyncio_log = logging.getLogger("asyncio")
+    was_disabled, asyncio_log.disabled = asyncio_log.disabled, True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+            traceback.clear_frames(interrupt.__traceback__)
+            interrupt.__traceback__ = None
+            gc.collect()
+    finally:
+        asyncio_log.disabled = was_disabled
 
 
 def _run(
