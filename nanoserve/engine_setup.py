@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from nanoserve.core.loader import resolve_device
 from nanoserve.core.model_runner import StepRunner
 from nanoserve.core.models.base import CausalLM
 from nanoserve.core.parallel import TensorParallel
+from nanoserve.core.speculation import Speculator
 from nanoserve.distributed.step_broadcast import BroadcastingRunner, StepBroadcaster, follow
 from nanoserve.quantization import fp8
 from nanoserve.quantization.int8 import install_int8_linears
@@ -60,9 +62,23 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
         weight_reader=fp8.weight_reader_for,
         grammar_backend=grammar_backend,
     )
+    if config.speculative_config is not None:
+        paths = dataclasses.replace(paths, speculator=speculator_for(config))
     if tp.size > 1 and tp.is_first:
         paths = with_step_broadcast(paths, StepBroadcaster(tp, device))
     return paths
+
+
+def speculator_for(config: EngineConfig) -> Callable[[torch.device, int, int], Speculator]:
+    """Speculative decoding's speculator, built once the engine knows its vocabulary and
+    max_model_len (the draft model's engine takes them)."""
+
+    def build(device: torch.device, vocab_size: int, max_model_len: int) -> Speculator:
+        from nanoserve.spec_decode import build_speculator
+
+        return build_speculator(config, device, vocab_size, max_model_len)
+
+    return build
 
 
 def quantize_linears(model: CausalLM, config: EngineConfig, device: torch.device) -> None:

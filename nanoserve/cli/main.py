@@ -210,6 +210,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         quantize_lm_head=args.quantize_lm_head,
         compile_decode=args.compile_decode,
         enforce_eager=args.enforce_eager,
+        speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
@@ -242,6 +243,15 @@ def check_engine_config(config: EngineConfig) -> Path:
     max_model_len = config.resolve_max_model_len(model_config)
     config.scheduler_config(max_model_len)  # the batch limits against that length
     check_kv_cache_memory(config, model_config)
+    spec = config.speculative_config
+    if spec is not None and spec.model is not None:
+        draft_dir = resolve_checkpoint(spec.model, config.load_format, with_weights=False)
+        draft_vocab = load_model_config(draft_dir).vocab_size
+        if draft_vocab != model_config.vocab_size:
+            raise ValueError(
+                f"the draft model {spec.model} has {draft_vocab} tokens in its vocabulary, the "
+                f"model {model_config.vocab_size}: a draft model must share the tokenizer"
+            )
     return model_dir
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from nanoserve.client.prefix_router import ROUTINGS
 from nanoserve.common.config import QUANTIZATIONS, EngineConfig
 from nanoserve.common.protocol import DEFAULT_WORKER_TIMEOUT_S
+from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.server.config import ServerConfig
 
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -216,11 +217,29 @@ def add_speed_flags(parser: argparse.ArgumentParser) -> None:
         help="with --quantization, keep the LM head in the model dtype",
     )
     parser.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}, '
+        '{"method": "suffix"}, or a draft model with the same tokenizer: {"model": DIR_OR_ID, '
+        '"num_speculative_tokens": 4}. Drafts are verified in one pass; greedy output is '
+        "unchanged and sampled output keeps the model's distribution (default: off)",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="launch every step eagerly: no CUDA graphs on CUDA, no torch.compile on CPU "
         "(even with --compile)",
     )
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config's JSON (vLLM's keys), checked now: a bad one is a one-line error."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:

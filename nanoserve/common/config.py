@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanoserve.common.speculative_config import SpeculativeConfig
+
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("int8",)
@@ -143,6 +145,7 @@ class EngineConfig:
     data_parallel_rank: int = 0  # which of them this engine is (set by the front)
     compile_decode: bool = False  # torch.compile the decode step (slow start-up, faster tokens)
     enforce_eager: bool = False  # the plain path, whatever else is asked for
+    speculative_config: SpeculativeConfig | None = None  # drafts verified in one pass
 
     def __post_init__(self) -> None:
         _require(

@@ -54,6 +54,15 @@ class RequestDelta(msgspec.Struct, array_like=True):
     error: str | None = None
 
 
+class SpecDecodeStats(msgspec.Struct):
+    """Speculative decoding's running totals (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0  # requests' verify steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_per_position: list[int] = msgspec.field(default_factory=list)  # [k]
+
+
 class EngineStats(msgspec.Struct):
     """Gauges and counters the metrics endpoint shows."""
 
@@ -65,6 +74,7 @@ class EngineStats(msgspec.Struct):
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
+    spec_decode: SpecDecodeStats | None = None  # None without speculative decoding
 
 
 # ---- front -> worker ----

@@ -73,6 +73,7 @@ class Engine:
         self.grammars = fast_paths.grammar_backend(
             self.model_path, self.vocab_size, self.eos_token_ids
         )
+        self.speculator = fast_paths.speculator(self.device, self.vocab_size, self.max_model_len)
 
     def _build_runner(
         self, model: CausalLM, fast_paths: FastPaths, tp: TensorParallel | None
@@ -147,14 +148,16 @@ class Engine:
         if scheduled.is_empty:
             self._wait_for_a_grammar()
             return []
-        token_ids: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
+        token_ids: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if scheduled.requests:
             token_ids, logprobs, prompt_logprobs = self.runner.execute(
-                scheduled, self.eos_token_ids, self.grammars.start_masks
+                scheduled, self.eos_token_ids, self.grammars.start_masks, self.speculator.verify
             )
-        return self.scheduler.update(scheduled, token_ids, logprobs, prompt_logprobs)
+        deltas = self.scheduler.update(scheduled, token_ids, logprobs, prompt_logprobs)
+        self.speculator.propose(self.scheduler.running)  # drafts for the next step
+        return deltas
 
     def _wait_for_a_grammar(self) -> None:
         """Nothing could run: if requests wait for their grammar, block briefly on those."""
@@ -186,9 +189,11 @@ class Engine:
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prefix_cache_queries=kv.num_prefix_queries,
             prefix_cache_hits=kv.num_prefix_hits,
+            spec_decode=self.speculator.stats(),
         )
 
     def shutdown(self) -> None:
         """Release the step runners (other ranks stop following) and the grammar threads."""
         self.runner.close()
         self.grammars.shutdown()
+        self.speculator.close()

@@ -13,6 +13,7 @@ every fast path is tested against (`--enforce-eager` keeps as much of it as the 
     step_runners       how a step's forward pass is launched (`model_runner.py`): CUDA graphs,
                        compiled decode, tensor-parallel broadcast, then the eager runner
     grammar_backend    structured output (`grammar.py`)
+    speculator         speculative decoding: drafts proposed and verified (`speculation.py`)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from nanoserve.common.config import CacheConfig, ModelConfig, SchedulerConfig
 from nanoserve.core.attention.layer import AttentionBackend
@@ -29,6 +32,7 @@ from nanoserve.core.kv_cache import KVCache
 from nanoserve.core.loader import WeightReader
 from nanoserve.core.model_runner import StepRunner
 from nanoserve.core.models.base import CausalLM
+from nanoserve.core.speculation import NoSpeculation, Speculator
 
 
 @dataclass
@@ -49,4 +53,8 @@ class FastPaths:
     # default every constrained request is refused, saying so.
     grammar_backend: Callable[[Path, int, frozenset[int]], GrammarBackend] = (
         lambda tokenizer_dir, vocab_size, eos: NoGrammarBackend()
+    )
+    # Drafts tokens and verifies them (device, vocab size, max_model_len); by default, none.
+    speculator: Callable[[torch.device, int, int], Speculator] = (
+        lambda device, vocab_size, max_model_len: NoSpeculation()
     )

@@ -25,6 +25,7 @@ from nanoserve.core.request import Request
 from nanoserve.core.sampler import Sampler
 from nanoserve.core.sampling_batch import SamplingBatch
 from nanoserve.core.scheduler import SchedulerOutput
+from nanoserve.core.speculation import Verified
 from nanoserve.core.step_layout import StepLayout, flatten_schedule
 
 
@@ -110,9 +111,13 @@ class ModelRunner:
         out: SchedulerOutput,
         eos_token_ids: frozenset[int],
         start_masks: Callable[[list[Request]], Future[GrammarMasks] | None] = lambda _: None,
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
-        """Run the scheduled tokens; return per request the sampled token, its logprobs and
-        the logprobs of the prompt positions scored in this step.
+        verify: Callable[[torch.Tensor, SamplingBatch, list[list[int]]], Verified] | None = None,
+    ) -> tuple[
+        dict[str, list[int]], dict[str, list[TokenLogprobs]], dict[str, list[TokenLogprobs]]
+    ]:
+        """Run the scheduled tokens; return per request the sampled tokens (one, or with drafts
+        the accepted ones and one more, as `verify` decides), their logprobs and the logprobs
+        of the prompt positions scored in this step.
 
         Every host-to-device copy (inputs, sampling parameters) is made before the forward pass
         is launched, so that the only wait on the device is for the sampled tokens.
@@ -120,36 +125,44 @@ class ModelRunner:
         the forward pass runs and applied before sampling.
         """
         layout = flatten_schedule(out, self.block_size)
-        requests = layout.sampling_requests
+        requests, drafts = layout.sampling_requests, layout.draft_token_ids
         pending_masks = start_masks(requests)
+        # One row per position that samples: per request its last token, then each draft.
+        rows = [
+            (r, d[:j]) for r, d in zip(requests, drafts, strict=True) for j in range(len(d) + 1)
+        ]
         batch = SamplingBatch.build(
-            params=[r.sampling_params for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            generators=[r.generator for r in requests],
+            params=[r.sampling_params for r, _ in rows],
+            prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
+            output_token_ids=[
+                r.output_token_ids + seen if seen else r.output_token_ids for r, seen in rows
+            ],
+            generators=[r.generator for r, _ in rows],
             vocab_size=self.vocab_size,
             device=self.device,
             eos_token_ids=eos_token_ids,
         )
         runner = self.runner_for(layout)
-        hidden = runner.run(layout)  # [S + P, hidden]: the rows that sample, then score
+        hidden = runner.run(layout)  # [S + D + P, hidden]: the rows that sample, then score
+        num_sample_rows = len(rows)
         prompt_logprobs = {}
         if layout.prompt_logprob_rows.rows:
             prompt_logprobs = layout.prompt_logprob_rows.compute(
-                hidden[len(requests) :], runner.logits, self.vocab_size
+                hidden[num_sample_rows:], runner.logits, self.vocab_size
             )
         if not requests:
             return {}, {}, prompt_logprobs
-        logits = runner.logits(hidden[: len(requests)])  # [S, hidden] -> [S, vocab] float32
+        logits = runner.logits(hidden[:num_sample_rows])  # [S + D, vocab] float32
         batch.grammar_masks = pending_masks.result() if pending_masks is not None else None
-        result = self.sampler(logits, batch)
-        token_ids = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
-        logprobs = {
-            r.request_id: lp
-            for r, lp in zip(requests, result.logprobs, strict=True)
-            if lp is not None
-        }
-        return token_ids, logprobs, prompt_logprobs
+        if verify is not None and num_sample_rows > len(requests):
+            token_ids, logprobs = verify(logits, batch, drafts)
+        else:
+            result = self.sampler(logits, batch)
+            token_ids = [[t] for t in result.token_ids]
+            logprobs = [None if lp is None else [lp] for lp in result.logprobs]
+        ids = [r.request_id for r in requests]
+        chosen = dict(zip(ids, token_ids, strict=True))
+        return chosen, {i: lp for i, lp in zip(ids, logprobs, strict=True) if lp}, prompt_logprobs
 
     def close(self) -> None:
         for runner in self.step_runners:

@@ -65,6 +65,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.grammar: Grammar | None = None  # structured output: advanced per token
         self.grammar_future: Future[Grammar] | None = None  # the grammar being built
+        self.spec_token_ids: list[int] = []  # drafts proposed for the next step (unverified)
 
     def is_grammar_pending(self) -> bool:
         """True while the request's grammar is being built (it cannot run yet).

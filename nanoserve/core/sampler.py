@@ -65,7 +65,7 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)  # [B]
         else:
             probs = self.apply_warpers(logits, batch).softmax(dim=-1)  # [B, V]
-            token_ids = (probs / self._exponential_noise(probs, batch)).argmax(dim=-1)  # [B]
+            token_ids = (probs / self.exponential_noise(probs, batch)).argmax(dim=-1)  # [B]
             if batch.is_greedy is not None:
                 token_ids = torch.where(batch.is_greedy, logits.argmax(dim=-1), token_ids)
 
@@ -121,7 +121,7 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # Greedy rows may keep uninitialised noise: their sampled token is replaced by argmax.
         noise = torch.empty_like(probs)  # [B, V]
         if batch.has_unseeded_random:

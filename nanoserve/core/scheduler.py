@@ -15,6 +15,11 @@ Each step:
 Invariant: a request scheduled in this step is never preempted in the same step (preemption
 takes requests from the tail of `running`, behind the one being scheduled), so every block it
 was given is written by this step's forward pass.
+
+Speculative decoding adds nothing new: a decoding request with draft tokens runs 1 + k tokens
+(budgeted like any others). `update` then advances `num_computed_tokens` only past the drafts
+the verifier accepted; the slots of rejected ones are overwritten by later steps, and they are
+never named in the prefix cache (only blocks full of known tokens are).
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from nanoserve.core.request import Request, RequestStatus
 class SchedulerOutput:
     """What to run in one step: tokens per request, in batch order."""
 
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # drafts included
     requests: list[Request] = field(default_factory=list)  # same order as the dict
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
     num_preempted: int = 0
     # Requests the engine could not run (their grammar failed to build), and why.
     failed: list[tuple[Request, str]] = field(default_factory=list)
@@ -100,11 +106,24 @@ class Scheduler:
                 continue
             if not self._make_room(out, request, num_new):
                 break  # it preempted itself; everyone behind it is gone too
-            self.kv.allocate(request, num_new, [])
-            self._record(out, request, num_new)
-            budget -= num_new
+            drafts = self._drafts_that_fit(request, num_new, budget)
+            self.kv.allocate(request, num_new + len(drafts), [])
+            self._record(out, request, num_new + len(drafts))
+            if drafts:
+                out.draft_token_ids[request.request_id] = drafts
+            budget -= num_new + len(drafts)
             index += 1
         return budget
+
+    def _drafts_that_fit(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts that the budget, max_model_len and free blocks allow (a
+        decode step only); drafts never cause a preemption."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        room = min(budget - num_new, self.config.max_model_len - request.num_tokens)
+        drafts = drafts[: max(room, 0)] if num_new == 1 else []
+        if drafts and not self.kv.can_allocate(request, num_new + len(drafts), []):
+            return []
+        return drafts
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in order while the budget, max_num_seqs and blocks allow.
@@ -185,39 +204,50 @@ class Scheduler:
     def update(
         self,
         out: SchedulerOutput,
-        sampled_token_ids: dict[str, int],
-        logprobs: dict[str, TokenLogprobs],
+        sampled_token_ids: dict[str, list[int]],
+        logprobs: dict[str, list[TokenLogprobs]],
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[RequestDelta]:
-        """Advance counters by what ran, append sampled tokens, finish requests that are done."""
+        """Advance counters by what ran and was accepted, append sampled tokens (with drafts,
+        the accepted ones and one more), finish requests that are done."""
         deltas = [
             RequestDelta(r.request_id, [], finish_reason=FinishReason.ABORT, error=message)
             for r, message in out.failed
         ]
         for request in out.requests:
-            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
-            scored = (prompt_logprobs or {}).get(request.request_id, [])
+            request_id = request.request_id
+            token_ids = sampled_token_ids.get(request_id, [])
+            num_drafts = len(out.draft_token_ids.get(request_id, ()))
+            num_rejected = num_drafts + 1 - len(token_ids) if token_ids else 0
+            request.num_computed_tokens += out.num_scheduled_tokens[request_id] - num_rejected
+            scored = (prompt_logprobs or {}).get(request_id, [])
             request.prompt_logprobs += scored
             request.num_scored_prompt_tokens += len(scored)
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is not None:
+            num_appended = 0
+            for token_id in token_ids:
                 request.append_output_token(token_id)
+                num_appended += 1
                 self._check_stop(request, token_id)
-            elif request.is_prompt_only and request.num_computed_tokens == request.num_tokens:
+                if request.finish_reason is not None:
+                    break
+            if not token_ids:
+                if not request.is_prompt_only or request.num_computed_tokens < request.num_tokens:
+                    continue  # a prompt chunk that is not the last one: nothing sampled yet
                 request.finish_reason = FinishReason.LENGTH  # the prompt ran; nothing to sample
-            else:
-                continue  # a prompt chunk that is not the last one: nothing sampled yet
-            deltas.append(self._delta(request, logprobs.get(request.request_id)))
+            entries = logprobs.get(request_id)
+            deltas.append(self._delta(request, num_appended, entries and entries[:num_appended]))
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._finish(request, request.finish_reason)
         return deltas
 
     @staticmethod
-    def _delta(request: Request, token_logprobs: TokenLogprobs | None) -> RequestDelta:
-        """This step's token of `request` (none when prompt-only); the first: prompt logprobs."""
+    def _delta(
+        request: Request, num_new: int, token_logprobs: list[TokenLogprobs] | None
+    ) -> RequestDelta:
+        """This step's tokens of `request` (none when prompt-only); the first: prompt logprobs."""
         refused = request.grammar if request.finish_reason == FinishReason.ABORT else None
-        is_first = request.num_output_tokens <= 1  # prompt-only requests send one delta, empty
+        is_first = request.num_output_tokens <= num_new  # prompt-only: one delta, empty
         prompt_logprobs = None
         if is_first and request.sampling_params.prompt_logprobs is not None:
             prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
@@ -226,8 +256,8 @@ class Scheduler:
             queue_time_s = request.first_scheduled_time - request.arrival_time
         return RequestDelta(
             request_id=request.request_id,
-            new_token_ids=request.output_token_ids[-1:],
-            logprobs=[token_logprobs] if token_logprobs is not None else None,
+            new_token_ids=request.output_token_ids[len(request.output_token_ids) - num_new :],
+            logprobs=token_logprobs or None,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,

@@ -25,8 +25,10 @@ class StepLayout:
     query_lens: list[int] = field(default_factory=list)  # [B]
     seq_lens: list[int] = field(default_factory=list)  # [B]: context length after this step
     block_tables: list[list[int]] = field(default_factory=list)  # [B]
-    sample_rows: list[int] = field(default_factory=list)  # [S]: each sampling request's last row
+    # [S + D]: each sampling request's last known row, then one row per draft token after it
+    sample_rows: list[int] = field(default_factory=list)
     sampling_requests: list[Request] = field(default_factory=list)  # [S]
+    draft_token_ids: list[list[int]] = field(default_factory=list)  # [S]: drafts to verify
     prompt_logprob_rows: PromptLogprobRows = field(default_factory=PromptLogprobRows)  # [P]
 
     @property
@@ -52,8 +54,9 @@ def flatten_schedule(out: SchedulerOutput, block_size: int) -> StepLayout:
         start = request.num_computed_tokens
         end = start + num_tokens[request.request_id]
         blocks = request.block_ids
+        drafts = out.draft_token_ids.get(request.request_id, [])
         layout.prompt_logprob_rows.add(request, start, end, first_row=len(layout.input_ids))
-        layout.input_ids.extend(request.all_token_ids[start:end])
+        layout.input_ids.extend(request.all_token_ids[start : end - len(drafts)] + drafts)
         layout.positions.extend(range(start, end))
         layout.slot_mapping.extend(
             blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
@@ -61,8 +64,11 @@ def flatten_schedule(out: SchedulerOutput, block_size: int) -> StepLayout:
         layout.query_lens.append(end - start)
         layout.seq_lens.append(end)
         layout.block_tables.append(blocks)
-        # The whole known sequence is cached after this step: sample the next token.
-        if end == request.num_tokens and not request.is_prompt_only:
-            layout.sample_rows.append(len(layout.input_ids) - 1)
+        # The whole known sequence is cached after this step: sample the next token (and,
+        # behind each draft, the one after it).
+        if end - len(drafts) == request.num_tokens and not request.is_prompt_only:
+            last_row = len(layout.input_ids) - 1
+            layout.sample_rows.extend(range(last_row - len(drafts), last_row + 1))
             layout.sampling_requests.append(request)
+            layout.draft_token_ids.append(drafts)
     return layout

@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from nanoserve.common.protocol import EngineStats, Ready
+from nanoserve.common.protocol import EngineStats, Ready, SpecDecodeStats
 
 ENGINE_LABELS = ["model_name", "engine"]
 
@@ -136,6 +136,7 @@ class ServerMetrics:
             "Histogram of number of tokens per engine_step.",
             buckets=ITERATION_TOKEN_BUCKETS,
         )
+        self._add_spec_decode_metrics()
         sleep_state = self._metric(
             Gauge,
             "vllm:engine_sleep_state",
@@ -146,6 +147,42 @@ class ServerMetrics:
             for state in SLEEP_STATES:
                 sleep_state.labels(self._model_name, engine, state).set(state == "awake")
         self.cache_config_info: Gauge | None = None  # labelled with the first Ready's values
+
+    def _add_spec_decode_metrics(self) -> None:
+        """vLLM's speculative-decoding counters (they stay at 0 without speculation)."""
+        self.spec_num_drafts = self._metric(
+            Counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."
+        )
+        self.spec_num_draft_tokens = self._metric(
+            Counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self.spec_num_accepted_tokens = self._metric(
+            Counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self.spec_accepted_per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labelnames=("model_name", "engine", "position"),
+            registry=self.registry,
+        )
+
+    def _update_spec_decode(
+        self, new: SpecDecodeStats | None, old: SpecDecodeStats | None, labels
+    ) -> None:
+        if new is None:
+            return
+        old = old or SpecDecodeStats()
+        for counter, now, before in (
+            (self.spec_num_drafts, new.num_drafts, old.num_drafts),
+            (self.spec_num_draft_tokens, new.num_draft_tokens, old.num_draft_tokens),
+            (self.spec_num_accepted_tokens, new.num_accepted_tokens, old.num_accepted_tokens),
+        ):
+            counter.labels(*labels).inc(now - before if now >= before else now)
+        previous = old.num_accepted_per_position
+        for position, now in enumerate(new.num_accepted_per_position):
+            before = previous[position] if position < len(previous) else 0
+            counter = self.spec_accepted_per_position.labels(*labels, str(position))
+            counter.inc(now - before if now >= before else now)
 
     def _add_token_metrics(self) -> None:
         """Token counts and outcomes, counted in the front per engine request."""
@@ -279,6 +316,7 @@ class ServerMetrics:
         ):
             # A restarted worker counts from zero again: then all of `new` is new.
             counter.labels(*labels).inc(new - old if new >= old else new)
+        self._update_spec_decode(stats.spec_decode, last.spec_decode, labels)
         self._last_stats[engine] = stats
 
     def observe_step(self, num_tokens: int, engine: int = 0) -> None:

@@ -32,7 +32,7 @@ def run_step(scheduler, token=7):
     """One schedule/update round that 'samples' `token` for every request that samples."""
     out = scheduler.schedule()
     sampled = {
-        r.request_id: token
+        r.request_id: [token]
         for r in out.requests
         if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
     }
@@ -159,7 +159,7 @@ def test_randomized_soak_keeps_pool_invariants():
             out = scheduler.schedule()
             assert sum(out.num_scheduled_tokens.values()) <= 24 and len(scheduler.running) <= 6
             sampled = {
-                r.request_id: rng.randrange(0, 50)
+                r.request_id: [rng.randrange(0, 50)]
                 for r in out.requests
                 if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
             }

@@ -1,0 +1,131 @@
+"""The rejection sampler: which drafts the target model accepts, keeping its distribution.
+
+Every proposer here drafts deterministically (n-gram and suffix lookups, a draft model's greedy
+tokens), so the draft distribution q is one-hot on the drafted token x. Speculative sampling
+(Leviathan et al., Chen et al.) then reads, for each position with target probabilities p:
+
+    accept x with probability min(1, p(x) / q(x)) = p(x)
+    on rejection, sample from max(p - q, 0), normalised: p without x
+    after the last accepted draft of a request that kept them all: one "bonus" token from p
+
+which emits tokens distributed exactly as p. Greedy rows accept x when it is p's argmax and
+otherwise emit the argmax, so greedy output is the same with and without speculation.
+
+p is the distribution the plain sampler draws from: the same penalties (each row sees the
+request's output plus the drafts before it), grammar masks and warpers (`core/sampler.py`).
+A seeded request draws its uniforms and noise from its own generator, in row order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.common.protocol import TokenLogprobs
+from nanoserve.core.grammar import GrammarMasks
+from nanoserve.core.sampler import Sampler, gather_token_logprobs, to_host
+from nanoserve.core.sampling_batch import SamplingBatch
+from nanoserve.core.speculation import Verified
+
+
+class RejectionSampler:
+    """Verifies one step's drafts in one vectorised pass over every sampling row."""
+
+    def __init__(self) -> None:
+        self.sampler = Sampler()
+        self.num_accepted: list[int] = []  # per request of the last call: drafts accepted
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: list[list[int]]
+    ) -> Verified:
+        # logits: [N, V] float32, N = requests + drafts; request r's rows are its last known
+        # token then one per draft (`first_rows[r]` onwards).
+        first_rows = _first_rows(draft_token_ids)
+        if batch.grammar_masks is not None:  # masks come per request: move them to its rows
+            masks = batch.grammar_masks
+            batch.grammar_masks = GrammarMasks([first_rows[r] for r in masks.rows], masks.bias)
+        next_drafts = _next_draft_per_row(draft_token_ids, logits.device)  # [N], -1: none
+        accepted, recovered = self._accept_and_recover(logits, batch, next_drafts)
+        accepted_host, recovered_host = (t.tolist() for t in to_host(accepted, recovered))
+        token_ids: list[list[int]] = []
+        emitted_rows: list[int] = []
+        self.num_accepted = []
+        for first, drafts in zip(first_rows, draft_token_ids, strict=True):
+            num_accepted = 0
+            while num_accepted < len(drafts) and accepted_host[first + num_accepted]:
+                num_accepted += 1
+            last_row = first + num_accepted  # rejected here, or the bonus row
+            token_ids.append(drafts[:num_accepted] + [recovered_host[last_row]])
+            emitted_rows.extend(range(first, last_row + 1))
+            self.num_accepted.append(num_accepted)
+        return token_ids, self._logprobs(logits, batch, first_rows, token_ids, emitted_rows)
+
+    def _accept_and_recover(
+        self, logits: torch.Tensor, batch: SamplingBatch, next_drafts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: is its next draft accepted, and the token emitted if not (or the bonus)."""
+        processed = self.sampler.process_logits(logits, batch)  # [N, V], -inf where filtered
+        argmax = processed.argmax(dim=-1)  # [N]
+        has_draft = next_drafts >= 0
+        draft_ids = next_drafts.clamp(min=0).unsqueeze(1)  # [N, 1]
+        greedy_accepted = has_draft & (argmax == next_drafts)
+        if batch.all_greedy:
+            return greedy_accepted, argmax
+        probs = processed.softmax(dim=-1)  # [N, V]
+        draft_probs = probs.gather(1, draft_ids).squeeze(1)  # [N]
+        random_accepted = has_draft & (self._uniforms(batch, probs) < draft_probs)
+        # max(p - q, 0) with q one-hot on the draft: p with the draft token removed.
+        residual = probs.scatter(1, draft_ids, 0.0).where(has_draft.unsqueeze(1), probs)
+        recovered = (residual / self.sampler.exponential_noise(probs, batch)).argmax(dim=-1)
+        if batch.is_greedy is None:
+            return random_accepted, recovered
+        return (
+            torch.where(batch.is_greedy, greedy_accepted, random_accepted),
+            torch.where(batch.is_greedy, argmax, recovered),
+        )
+
+    @staticmethod
+    def _uniforms(batch: SamplingBatch, probs: torch.Tensor) -> torch.Tensor:
+        """One U(0, 1) per row; seeded rows draw from their request's generator."""
+        uniforms = torch.rand(probs.shape[0], device=probs.device)  # [N]
+        for row, generator in batch.seeded_rows:
+            uniforms[row] = torch.rand((), device=probs.device, generator=generator)
+        return uniforms
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        first_rows: list[int],
+        token_ids: list[list[int]],
+        emitted_rows: list[int],
+    ) -> list[list[TokenLogprobs] | None]:
+        """Raw logprobs of every emitted token, for the requests that asked for them."""
+        wanted = set(batch.logprob_rows)
+        result: list[list[TokenLogprobs] | None] = [None] * len(token_ids)
+        rows = [row for row in emitted_rows if row in wanted]
+        if not rows:
+            return result
+        emitted = dict(zip(emitted_rows, (t for ids in token_ids for t in ids), strict=True))
+        num_top = [batch.num_logprobs[batch.logprob_rows.index(row)] for row in rows]
+        index = torch.tensor(rows, device=logits.device)
+        chosen = torch.tensor([emitted[row] for row in rows], device=logits.device)
+        entries = iter(gather_token_logprobs(logits[index].log_softmax(-1), chosen, num_top))
+        for request, (first, ids) in enumerate(zip(first_rows, token_ids, strict=True)):
+            if first in wanted:
+                result[request] = [next(entries) for _ in ids]
+        return result
+
+
+def _first_rows(draft_token_ids: list[list[int]]) -> list[int]:
+    """Each request's first sampling row: rows go request by request, 1 + drafts each."""
+    first_rows, row = [], 0
+    for drafts in draft_token_ids:
+        first_rows.append(row)
+        row += 1 + len(drafts)
+    return first_rows
+
+
+def _next_draft_per_row(draft_token_ids: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[N]: the draft each row's logits verify (the one after it), -1 on each bonus row."""
+    values = [t for drafts in draft_token_ids for t in [*drafts, -1]]
+    return torch.tensor(values, dtype=torch.long, device=device)
