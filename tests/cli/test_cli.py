@@ -165,12 +165,33 @@ def test_version_and_a_bare_command() -> None:
         (["--compile", "1", "--port", "9"], "--compile takes no value, got '1'"),
         (["a", "--model", "b"], "the model is given twice ('a' and --model 'b')"),
         (["m", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (
+            ["m", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+            "argument --speculative-config: speculative method must be one of ngram, suffix, "
+            "draft_model, got 'eagle'",
+        ),
+        (
+            ["m", "--speculative-config", "{method: ngram}"],
+            "argument --speculative-config: --speculative-config is not valid JSON",
+        ),
     ],
 )
 def test_argument_mistakes_are_reported_against_serve(argv: list[str], message: str) -> None:
     done = run_cli("serve", *argv)
     assert done.returncode == 2
     assert f"nanoserve serve: error: {message}" in done.stderr, done.stderr
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_before_loading(tmp_path) -> None:
+    from tiny_checkpoints import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(tmp_path / "target", "qwen3")
+    draft = make_tiny_checkpoint(tmp_path / "draft", "qwen3", vocab_size=300)
+    spec = f'{{"model": "{draft}", "num_speculative_tokens": 2}}'
+    done = run_cli("serve", str(target), "--speculative-config", spec, "--device", "cpu")
+    assert done.returncode == 2
+    assert "a draft model must share the tokenizer" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_vllm_flags_are_accepted() -> None:
