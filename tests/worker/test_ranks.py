@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import ServerProcess, free_port
+from servers import ServerProcess, free_port, read_metrics
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve import LLM, SamplingParams
@@ -110,3 +110,13 @@ def test_two_machines_on_loopback_serve_one_model(checkpoint, expected, tmp_path
             assert_greedy_matches(node0.url, expected)
     finally:
         node1.stop()
+
+
+def test_two_ranks_verify_drafts_as_one_rank_decodes(checkpoint, expected, tmp_path):
+    """A verify step (k + 1 rows per request) is broadcast and followed like any other."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    flags = ("-tp", "2", "--speculative-config", spec)
+    with ServerProcess(checkpoint, tmp_path / "server.log", *flags) as server:
+        assert_greedy_matches(server.url, expected)
+        drafted = read_metrics(server.url)["vllm:spec_decode_num_draft_tokens_total"]
+        assert drafted > 0
