@@ -32,7 +32,7 @@ from nanoserve.core.kv_cache import KVCache
 from nanoserve.core.loader import WeightReader
 from nanoserve.core.model_runner import StepRunner
 from nanoserve.core.models.base import CausalLM
-from nanoserve.core.speculation import NoSpeculation, Speculator
+from nanoserve.core.speculation import Speculator
 
 
 @dataclass
@@ -56,5 +56,5 @@ class FastPaths:
     )
     # Drafts tokens and verifies them (device, vocab size, max_model_len); by default, none.
     speculator: Callable[[torch.device, int, int], Speculator] = (
-        lambda device, vocab_size, max_model_len: NoSpeculation()
+        lambda device, vocab_size, max_model_len: Speculator()
     )

@@ -3,13 +3,13 @@
 The core only makes room for drafts. After each step the speculator may give a decoding
 request `spec_token_ids`; the scheduler runs them as extra tokens of its next step, the layout
 puts them behind its last known token, and the model gives logits at each of those positions
-(one forward pass for all of them). The speculator's `verify` then says which drafts the target
-model accepts, and the one token it samples after them (`nanoserve/spec_decode`).
+(one forward pass for all of them). `verify` then says which drafts the target model accepts,
+and the one token it samples after them (`nanoserve/spec_decode` is the plug-in).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from nanoserve.common.protocol import SpecDecodeStats, TokenLogprobs
 
@@ -23,36 +23,20 @@ if TYPE_CHECKING:
 Verified = tuple[list[list[int]], list[list[TokenLogprobs] | None]]
 
 
-class Speculator(Protocol):
-    """Proposes draft tokens for running requests and verifies them against the target."""
+class Speculator:
+    """Proposes draft tokens for running requests and verifies them; this base drafts none."""
 
     def propose(self, requests: list[Request]) -> None:
-        """Set `spec_token_ids` of the running requests it drafts for in the next step."""
+        """Set `spec_token_ids` of the running requests to draft for in the next step."""
 
     def verify(
         self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: list[list[int]]
     ) -> Verified:
         """logits [S + D, V]: per request, the rows of its last token then of each draft."""
-        ...
-
-    def stats(self) -> SpecDecodeStats | None: ...
-
-    def close(self) -> None: ...
-
-
-class NoSpeculation:
-    """Plain decoding: no request is ever given drafts, so nothing is verified."""
-
-    def propose(self, requests: list[Request]) -> None:
-        return None
-
-    def verify(
-        self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: list[list[int]]
-    ) -> Verified:
-        raise RuntimeError("no speculator is configured, yet a step carried drafts")
+        raise NotImplementedError("a speculator that drafts must verify")
 
     def stats(self) -> SpecDecodeStats | None:
         return None
 
     def close(self) -> None:
-        return None
+        """Release what drafting holds (a draft model's engine)."""

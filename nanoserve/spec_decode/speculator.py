@@ -29,7 +29,7 @@ from nanoserve.common.protocol import SpecDecodeStats
 from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.core.request import Request
 from nanoserve.core.sampling_batch import SamplingBatch
-from nanoserve.core.speculation import Verified
+from nanoserve.core.speculation import Speculator, Verified
 from nanoserve.spec_decode.rejection_sampler import RejectionSampler
 
 logger = logging.getLogger("nanoserve.spec_decode")
@@ -64,7 +64,7 @@ class DraftHistory:
     next_pause: int = FIRST_PAUSE_STEPS
 
 
-class AdaptiveSpeculator:
+class AdaptiveSpeculator(Speculator):
     """Implements the core's `Speculator`: drafts where they pay, verifies, counts."""
 
     def __init__(self, proposer: Proposer, config: SpeculativeConfig) -> None:
