@@ -11,6 +11,7 @@ import itertools
 
 from nanoserve.common.checkpoint import DEMO_MODEL_NAME, load_generation_defaults, resolve_tokenizer
 from nanoserve.common.config import EngineConfig
+from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.engine_setup import build_engine
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -36,6 +37,9 @@ class LLM:
     ) -> None:
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config: 'auto' or 'vllm', got {generation_config!r}")
+        spec = engine_args.get("speculative_config")
+        if isinstance(spec, dict):  # vLLM's LLM(speculative_config={...})
+            engine_args["speculative_config"] = SpeculativeConfig.from_dict(spec)
         self.engine = build_engine(EngineConfig(model=model, **engine_args))
         download_dir = self.engine.config.download_dir
         tokenizer_dir = resolve_tokenizer(tokenizer, download_dir) if tokenizer else None

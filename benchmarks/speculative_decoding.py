@@ -1,0 +1,226 @@
+"""Speculative decoding, side by side in one run: no speculation, n-gram and suffix drafts.
+
+    python -m benchmarks.speculative_decoding [--rounds 3] [--concurrency 1 8 32]
+        [--cost-shape Qwen/Qwen3-0.6B]
+
+Part 1, on the demo model (real weights, so acceptance means something), in-process engines
+(`LLM`, the defaults a user gets plus `--speculative-config`), arms alternating round by round:
+
+    edit          a code-editing request: the prompt holds a Python module of this repository
+                  (its first ~300 tokens), then asks for the same module with a name changed
+                  and starts it; greedy, as long as the module
+    no-repeat     a short prompt sampled at temperature 1.0: output that repeats nothing
+    autocomplete  ~10-token greedy completions of a module's first lines: time to first token
+
+At each concurrency (requests submitted together) it reports output tok/s, the ratio to no
+speculation, and per proposer the draft acceptance rate and mean acceptance length.
+
+Part 2, the cost side of a draft model, where only random-weight shapes exist offline: the
+time of one engine step of `--cost-shape` (dummy weights, one request with a 512-token
+context) verifying k + 1 tokens against a one-token step, for k = 1..4. With a draft that
+costs c one-token target steps per drafted token, k drafts pay off when the expected tokens
+per step, (1 - a^(k+1)) / (1 - a) at acceptance a, exceed (verify(k) + k * c) / step(1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+from nanoserve import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+EDIT_FILES = [
+    "nanoserve/core/layers/norm.py",
+    "nanoserve/core/models/base.py",
+    "nanoserve/cli/help_format.py",
+    "nanoserve/core/models/registry.py",
+    "nanoserve/core/attention/__init__.py",
+    "nanoserve/server/server_load.py",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+ARMS = {"none": None, "ngram": NGRAM | {"prompt_lookup_max": 5}, "suffix": {"method": "suffix"}}
+
+
+def edit_prompts(llm: LLM, count: int) -> list[tuple[str, int]]:
+    """(prompt, max_tokens): a module, then the same module with a name changed, begun."""
+    tokenizer = llm.tokenizer
+    prompts = []
+    for index in range(count):
+        path = EDIT_FILES[index % len(EDIT_FILES)]
+        ids = tokenizer.encode((ROOT / path).read_text())[:300]
+        module = tokenizer.decode(ids)
+        first_line = module.split("\n", 1)[0]
+        prompt = f"# {path}\n{module}\n\n# {path}, with `self` renamed to `this`:\n{first_line}\n"
+        prompts.append((prompt, len(ids)))
+    return prompts
+
+
+def run_batch(llm: LLM, prompts: list[tuple[str, int]], temperature: float) -> tuple[int, float]:
+    """Generate every prompt together; (output tokens, seconds)."""
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+        for i, (_, n) in enumerate(prompts)
+    ]
+    started = time.perf_counter()
+    outputs = llm.generate([p for p, _ in prompts], params)
+    elapsed = time.perf_counter() - started
+    return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed
+
+
+def ttft_ms(llm: LLM, prompts: list[str]) -> float:
+    """Mean time to the first token of 10-token greedy completions, one at a time."""
+    engine, times = llm.engine, []
+    for index, prompt in enumerate(prompts):
+        ids = llm.tokenizer.encode(prompt)
+        started = time.perf_counter()
+        engine.add_request(
+            f"ac-{time.monotonic_ns()}-{index}", ids, SamplingParams(max_tokens=10, temperature=0)
+        )
+        first = None
+        while engine.has_unfinished_requests():
+            if any(d.new_token_ids for d in engine.step()) and first is None:
+                first = time.perf_counter() - started
+        times.append(first or 0.0)
+    return 1000 * statistics.mean(times)
+
+
+def acceptance(llm: LLM, before) -> tuple[float, float]:
+    """(draft acceptance rate, mean acceptance length) since the stats `before`."""
+    stats = llm.engine.stats().spec_decode
+    if stats is None or before is None:
+        return float("nan"), float("nan")
+    drafts = stats.num_drafts - before.num_drafts
+    drafted = stats.num_draft_tokens - before.num_draft_tokens
+    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+    if not drafts:
+        return 0.0, 1.0
+    return accepted / drafted, 1 + accepted / drafts
+
+
+def part_one(args: argparse.Namespace) -> list[str]:
+    """Every workload and concurrency, the arms alternating within each round."""
+    llms = {name: LLM("nanoserve-demo", speculative_config=spec) for name, spec in ARMS.items()}
+    warm_up = edit_prompts(llms["none"], 2)
+    for llm in llms.values():  # first steps settle threads and caches: not measured
+        run_batch(llm, warm_up, 0.0)
+    results: dict[tuple[str, int, str], list[tuple[int, float, float, float]]] = {}
+    for round_index in range(args.rounds):
+        for workload in ("edit", "no-repeat"):
+            for concurrency in args.concurrency:
+                prompts, temperature = workload_prompts(llms["none"], workload, concurrency)
+                for name in _rotated(list(ARMS), round_index):
+                    llm = llms[name]
+                    before = llm.engine.stats().spec_decode
+                    num_tokens, elapsed = run_batch(llm, prompts, temperature)
+                    rate, length = acceptance(llm, before)
+                    results.setdefault((workload, concurrency, name), []).append(
+                        (num_tokens, elapsed, rate, length)
+                    )
+                    print(
+                        f"round {round_index + 1}/{args.rounds} {workload} x{concurrency} "
+                        f"{name}: {num_tokens / elapsed:.1f} tok/s, acceptance {rate:.2f}, "
+                        f"mean length {length:.2f}",
+                        flush=True,
+                    )
+    return throughput_table(results) + [""] + ttft_table(llms)
+
+
+def workload_prompts(llm: LLM, workload: str, concurrency: int):
+    """The prompts (with max_tokens) and temperature of one workload."""
+    if workload == "edit":
+        return edit_prompts(llm, concurrency), 0.0
+    rng = random.Random(concurrency)
+    words = ["data", "value", "x", "(", ")", "=", "+", "\n", "for", "in"]
+    return [(" ".join(rng.choice(words) for _ in range(30)), 200)] * concurrency, 1.0
+
+
+def throughput_table(results: dict) -> list[str]:
+    lines = [
+        "| workload | concurrent | arm | output tok/s | vs none | acceptance rate "
+        "| mean acceptance length |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (workload, concurrency, name), runs in sorted(results.items()):
+        rate = _tokens_per_s(runs)
+        base = _tokens_per_s(results[(workload, concurrency, "none")])
+        cells = [workload, str(concurrency), name, f"{rate:.1f}", f"{rate / base:.2f}x"]
+        if name == "none":
+            cells += ["-", "-"]
+        else:
+            cells += [f"{statistics.mean(r[2] for r in runs):.2f}"]
+            cells += [f"{statistics.mean(r[3] for r in runs):.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _tokens_per_s(runs: list[tuple[int, float, float, float]]) -> float:
+    return sum(r[0] for r in runs) / sum(r[1] for r in runs)
+
+
+def ttft_table(llms: dict[str, LLM]) -> list[str]:
+    autocomplete = [prompt[:200] for prompt, _ in edit_prompts(llms["none"], 6)]
+    ttfts = {name: ttft_ms(llm, autocomplete) for name, llm in llms.items()}
+    return [
+        "| autocomplete TTFT, mean of 6 (ms) | " + " | ".join(ARMS) + " |",
+        "|---|" + "---|" * len(ARMS),
+        "| demo model | " + " | ".join(f"{ttfts[n]:.1f}" for n in ARMS) + " |",
+    ]
+
+
+def _rotated(names: list[str], round_index: int) -> list[str]:
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
+def part_two(args: argparse.Namespace) -> list[str]:
+    """Step time of `--cost-shape` verifying k + 1 tokens against a one-token step."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM(args.cost_shape, load_format="dummy", speculative_config=spec, max_model_len=2048)
+    engine, rng = llm.engine, random.Random(1)
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    engine.add_request("cost", [rng.randrange(32, 127) for _ in range(512)], params)
+    engine.step()  # the prefill
+    request = engine.scheduler.requests["cost"]
+    times: dict[int, list[float]] = {k: [] for k in range(5)}
+    for _ in range(args.cost_steps):
+        for k in times:
+            request.spec_token_ids = [rng.randrange(32, 127) for _ in range(k)]
+            started = time.perf_counter()
+            engine.step()
+            times[k].append(time.perf_counter() - started)
+    base = statistics.median(times[0])
+    lines = [
+        f"| {args.cost_shape} (dummy), context ~512 | step ms, median of {args.cost_steps} "
+        "| vs a one-token step |",
+        "|---|---|---|",
+    ]
+    for k, values in times.items():
+        median = statistics.median(values)
+        label = f"verify {k} drafts ({k + 1} tokens)" if k else "one token (no drafts)"
+        lines.append(f"| {label} | {1000 * median:.1f} | {median / base:.2f}x |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--cost-shape", default="Qwen/Qwen3-0.6B")
+    parser.add_argument("--cost-steps", type=int, default=8)
+    parser.add_argument("--skip-cost", action="store_true")
+    args = parser.parse_args()
+    print(f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.processor() or platform.machine()}")
+    lines = part_one(args)
+    if not args.skip_cost:
+        lines += [""] + part_two(args)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
