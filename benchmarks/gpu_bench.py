@@ -7,8 +7,10 @@ On a dummy-weight checkpoint of the preset's shape (bf16, written once to --mode
 files for every arm) it measures, in order: the device's copy bandwidth; nanoserve in-process
 (single-stream decode and its % of the weight-streaming bound, TTFT at 128 and 2,048 prompt
 tokens, throughput at 8, 32 and 128 concurrent requests, CUDA-graph capture time);
-transformers `generate` (one request at a time, and padded batches of 8 and 32); then
-`nanoserve serve` with 32 concurrent streaming clients. After every stage it rewrites
+transformers `generate` (one request at a time, and padded batches of 8 and 32); speculative
+decoding (one stream of an editing-shaped prompt with no drafts, n-gram drafts and a draft
+model of the next smaller shape, k = 3, and a verify step's cost against a one-token step);
+then `nanoserve serve` with 32 concurrent streaming clients. After every stage it rewrites
 `gpu-<date>.json` and `gpu-table.md` in --out, so a run cut short keeps what it measured.
 """
 
@@ -34,6 +36,7 @@ from nanoserve.bench.metrics import summarize
 from nanoserve.bench.models import ALLOWED_OUTPUT_IDS, decode_weight_bytes, make_dummy_checkpoint
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.core.engine import Engine
 from nanoserve.engine_setup import build_engine
 
@@ -42,6 +45,8 @@ PROMPT_LEN, OUTPUT_LEN = 128, 128
 SINGLE_OUTPUT_LEN = 256
 TTFT_PROMPT_LENS = (128, 2048)
 SERVE_CLIENTS = 32
+DRAFT_PRESETS = {"qwen3-1.7b": "qwen3-0.6b", "tiny": "test"}  # a draft shape per target shape
+NUM_SPECULATIVE_TOKENS = 3
 
 
 def log(message: str) -> None:
@@ -124,6 +129,71 @@ def bench_nanoserve(model_dir: Path, device: torch.device, seed: int) -> dict:
         log(f"nanoserve {concurrency} concurrent: {result[f'throughput_tok_s_{concurrency}']:.0f}")
     del engine
     return result
+
+
+# -- speculative decoding ---------------------------------------------------------------------
+
+
+def editing_prompt(seed: int) -> list[int]:
+    """An editing-shaped prompt: a 'file' of allowed tokens, then its first half again."""
+    rng = random.Random(seed)
+    body = [rng.choice(ALLOWED_OUTPUT_IDS) for _ in range(PROMPT_LEN)]
+    return body + body[: PROMPT_LEN // 2]
+
+
+def bench_speculative(model_dir: Path, draft_dir: Path, device: torch.device, seed: int) -> dict:
+    """Single-stream decode of the editing prompt with no drafts, n-gram and a draft model,
+    and the cost of a step verifying k + 1 tokens against a one-token step."""
+    arms = {
+        "none": None,
+        "ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+        "draft_model": {"model": str(draft_dir)},
+    }
+    result: dict = {}
+    for name, spec in arms.items():
+        if spec is not None:
+            spec = SpeculativeConfig.from_dict(spec | {"num_speculative_tokens": 3})
+        engine = build_engine(
+            EngineConfig(
+                model=str(model_dir),
+                dtype="bfloat16",
+                device=device.type,
+                max_model_len=4096,
+                max_num_seqs=8,
+                gpu_memory_utilization=0.4,
+                speculative_config=spec,
+            )
+        )
+        engine.warm_up()
+        run = run_engine(engine, [editing_prompt(seed)], SINGLE_OUTPUT_LEN)
+        result[f"{name}_tok_s"] = (SINGLE_OUTPUT_LEN - 1) / (run["total_s"] - run["first_token_s"])
+        stats = engine.stats().spec_decode
+        if stats is not None and stats.num_draft_tokens:
+            result[f"{name}_acceptance"] = stats.num_accepted_tokens / stats.num_draft_tokens
+        if name == "ngram":
+            result["verify_cost_ratio"] = verify_cost_ratio(engine, seed)
+        log(f"speculative {name}: {result[f'{name}_tok_s']:.0f} tok/s")
+        engine.shutdown()
+        del engine
+        gc.collect()
+    return result
+
+
+def verify_cost_ratio(engine: Engine, seed: int) -> float:
+    """Median step time verifying k drafts (k + 1 tokens) over a one-token step's."""
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    engine.add_request("cost", random_prompts(1, 512, seed)[0], params)
+    engine.step()
+    request = engine.scheduler.requests["cost"]
+    times: dict[int, list[float]] = {0: [], NUM_SPECULATIVE_TOKENS: []}
+    for _ in range(10):
+        for k, values in times.items():
+            request.spec_token_ids = random_prompts(1, k, seed)[0] if k else []
+            started = time.perf_counter()
+            engine.step()
+            values.append(time.perf_counter() - started)
+    engine.abort(["cost"])
+    return sorted(times[NUM_SPECULATIVE_TOKENS])[5] / sorted(times[0])[5]
 
 
 # -- transformers generate ------------------------------------------------------------------
@@ -317,11 +387,33 @@ def markdown(doc: dict) -> str:
             f"{serve['ttft_ms']['p50']:.1f} ms, {serve['num_errors']} errors, "
             f"ready in {serve['ready_s']:.1f} s",
         ]
+    if "speculative" in doc:
+        lines += ["", *speculative_rows(doc["speculative"])]
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     lines += [
         f"| {goal} | {measured} | {'yes' if met else 'no'} |" for goal, measured, met in goals(doc)
     ]
     return "\n".join(lines) + "\n"
+
+
+def speculative_rows(spec: dict) -> list[str]:
+    """The speculative stage as a table: tok/s and acceptance per arm, the verify cost."""
+    base = spec.get("none_tok_s")
+    rows = ["| speculative, editing prompt, one stream | tok/s | vs none | acceptance |"]
+    rows.append("|---|---|---|---|")
+    for arm in ("none", "ngram", "draft_model"):
+        if f"{arm}_tok_s" not in spec:
+            continue
+        rate = spec[f"{arm}_tok_s"]
+        ratio = f"{rate / base:.2f}×" if base else "—"
+        accepted = spec.get(f"{arm}_acceptance")
+        rows.append(
+            f"| {arm} | {rate:,.0f} | {ratio} | {'—' if accepted is None else f'{accepted:.0%}'} |"
+        )
+    if "verify_cost_ratio" in spec:
+        ratio = spec["verify_cost_ratio"]
+        rows.append(f"| a step verifying 3 drafts, vs a one-token step | | {ratio:.2f}× | |")
+    return rows
 
 
 def write(doc: dict, out_dir: Path) -> None:
@@ -342,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/nanoserve-gpu-bench"))
     parser.add_argument("--out", type=Path, default=Path("gpu-results"))
-    parser.add_argument("--skip", default="", help="comma list of stages to skip: hf,serve")
+    parser.add_argument("--skip", default="", help="comma list of stages to skip: hf,spec,serve")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -374,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
             doc["transformers"].pop("single_stream_tokens"),
         )
         doc["greedy_match"] = greedy_match(*tokens)
+    if "spec" not in args.skip and args.preset in DRAFT_PRESETS:
+        log("speculative decoding ...")
+        draft = DRAFT_PRESETS[args.preset]
+        draft_dir = make_dummy_checkpoint(args.model_dir / draft, draft, args.seed)
+        doc["speculative"] = bench_speculative(model_dir, draft_dir, device, args.seed)
+        write(doc, args.out)
     if "serve" not in args.skip:
         log("nanoserve serve ...")
         doc["serve"] = bench_server(model_dir, device, args.out)

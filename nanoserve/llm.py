@@ -11,8 +11,8 @@ import itertools
 
 from nanoserve.common.checkpoint import DEMO_MODEL_NAME, load_generation_defaults, resolve_tokenizer
 from nanoserve.common.config import EngineConfig
-from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.engine_setup import build_engine
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.text.output_processor import ChoiceState, OutputProcessor, PositionLogprobs

@@ -17,6 +17,10 @@ from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.core.engine import Engine
 from nanoserve.core.request import Request
 
+# On a GPU the target's engine takes `gpu_memory_utilization` of it; the draft's weights, KV
+# cache and activations take up to this much more.
+DRAFT_GPU_SHARE = 0.08
+
 
 class DraftModelProposer:
     """Drafts with a smaller model run by its own engine."""
@@ -37,6 +41,7 @@ class DraftModelProposer:
             speculative_config=None,
             enable_prefix_caching=True,
             tensor_parallel_size=1,
+            gpu_memory_utilization=min(1.0, target.gpu_memory_utilization + DRAFT_GPU_SHARE),
         )
         engine = build_engine(config)
         if engine.vocab_size != vocab_size:

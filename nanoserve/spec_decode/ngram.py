@@ -1,9 +1,10 @@
 """N-gram prompt lookup: draft what followed the last time the recent tokens appeared.
 
 For n from `prompt_lookup_max` down to `prompt_lookup_min`, take the request's last n tokens
-and find their most recent earlier occurrence in its own tokens (prompt and output); the tokens
-that followed it are the draft. Editing and autocomplete repeat text already in the prompt, so
-these drafts are often right, and cost no model.
+and find their most recent earlier occurrence in its own tokens (prompt and output) that is
+followed by a whole draft (else the earliest); the tokens that followed it are the draft.
+Editing and autocomplete repeat text already in the prompt, so these drafts are often right,
+and cost no model.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class NgramProposer:
         """Up to `num_tokens` tokens that followed the longest recent match of the suffix."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = last_earlier_match(tokens, n)
+            start = best_earlier_match(tokens, n, num_tokens)
             if start >= 0:
                 return tokens[start + n : start + n + num_tokens].tolist()
         return []
@@ -42,9 +43,14 @@ class NgramProposer:
         """Nothing to release."""
 
 
-def last_earlier_match(tokens: np.ndarray, n: int) -> int:
-    """Where the last n tokens occurred before (the latest start), or -1."""
+def best_earlier_match(tokens: np.ndarray, n: int, num_tokens: int) -> int:
+    """Where the last n tokens occurred before, or -1: the most recent occurrence with
+    `num_tokens` known tokens after it, else the earliest (in a repeating run, the most recent
+    occurrence is just behind the suffix and leaves too little to draft)."""
     suffix = tokens[-n:]
     windows = sliding_window_view(tokens[:-1], n)  # [L - n, n]: every earlier n-gram
     (starts,) = np.nonzero((windows == suffix).all(axis=1))
-    return int(starts[-1]) if len(starts) else -1
+    if not len(starts):
+        return -1
+    with_room = starts[starts + n + num_tokens <= len(tokens)]
+    return int(with_room[-1]) if len(with_room) else int(starts[0])

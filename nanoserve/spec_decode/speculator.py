@@ -7,10 +7,15 @@ When to draft (speculation must never make a workload meaningfully slower):
 - Not in a step where `disable_by_batch_size` requests (default 8) or more are decoding: a
   batch that large already fills the step with tokens, and verifying k + 1 tokens per request
   costs more than the accepted tokens save.
-- Not for a request whose drafts keep failing: each request keeps a running acceptance rate
-  (the share of drafted tokens accepted, an exponential average); below `MIN_ACCEPTANCE` it
-  stops drafting for a while (8 steps, doubling each time it fails again, up to 256), then
-  tries again. A proposer that finds nothing to draft (no n-gram match) costs nothing.
+- As many drafts as are likely to pay: each request keeps an estimate of the chance that one
+  more of its draft tokens is accepted (accepted drafts over accepted drafts plus rejections,
+  decaying so that recent steps count most). The j-th draft is accepted with about that chance
+  to the power j, and a verified token costs a share of a step (on a 2-core CPU a step of 4
+  tokens of the 0.6B shape takes ~1.7x a one-token step), so a request drafts the tokens whose
+  chance is at least `MIN_DRAFT_CHANCE` (0.3): all k at a chance of 0.9, one at 0.5.
+- None for a request whose single next draft is below that chance: it pauses (8 steps,
+  doubling each time it fails again, up to 256), then tries one draft again. A proposer that
+  finds nothing to draft (no n-gram match) costs nothing.
 
 Metrics (vLLM's spec_decode counters) and a log line every `LOG_INTERVAL_S` with the
 acceptance rate and the mean acceptance length.
@@ -19,6 +24,7 @@ acceptance rate and the mean acceptance length.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,7 +41,8 @@ from nanoserve.spec_decode.rejection_sampler import RejectionSampler
 logger = logging.getLogger("nanoserve.spec_decode")
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-MIN_ACCEPTANCE = 0.25  # below this running acceptance rate a request pauses drafting
+MIN_DRAFT_CHANCE = 0.3  # a draft token is worth verifying when it is this likely accepted
+CHANCE_DECAY = 0.7  # the weight of a request's earlier steps in its acceptance estimate
 FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 8, 256
 LOG_INTERVAL_S = 10.0
 
@@ -57,11 +64,37 @@ class Proposer(Protocol):
 class DraftHistory:
     """One request's record of drafting: how well its drafts fared, and any pause."""
 
-    acceptance: float = 1.0  # running share of drafted tokens accepted
+    num_accepted: float = 1.0  # decayed counts of its accepted drafts ...
+    num_trials: float = 1.0  # ... and of those plus rejections: one draft chance at 1.0
     num_drafted: int = 0  # drafts given for the step in flight (0: none)
     num_output_before: int = 0  # its output length when they were given
     pause_steps: int = 0  # steps left without drafts
     next_pause: int = FIRST_PAUSE_STEPS
+
+    @property
+    def draft_chance(self) -> float:
+        """The estimated chance that its next draft token is accepted."""
+        return self.num_accepted / self.num_trials
+
+    def num_worth_drafting(self, k: int) -> int:
+        """The drafts whose chance of acceptance (chance^j for the j-th) is still worth it."""
+        chance = self.draft_chance
+        if chance >= 1.0:
+            return k
+        return min(k, int(math.log(MIN_DRAFT_CHANCE) / math.log(max(chance, 1e-6)) + 1e-9))
+
+    def learn(self, num_accepted: int, num_drafted: int) -> None:
+        """One verify step: `num_accepted` of `num_drafted` drafts held."""
+        rejected = 1 if num_accepted < num_drafted else 0
+        self.num_accepted = CHANCE_DECAY * self.num_accepted + num_accepted
+        self.num_trials = CHANCE_DECAY * self.num_trials + num_accepted + rejected
+        if self.draft_chance >= MIN_DRAFT_CHANCE:
+            self.next_pause = FIRST_PAUSE_STEPS
+            return
+        self.pause_steps = self.next_pause
+        self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
+        self.num_accepted = self.num_trials = 1.0  # after the pause, a fresh start
+        self.num_accepted = MIN_DRAFT_CHANCE  # ... at one draft
 
 
 class AdaptiveSpeculator(Speculator):
@@ -104,9 +137,10 @@ class AdaptiveSpeculator(Speculator):
         if history.pause_steps > 0:
             history.pause_steps -= 1
             return 0
+        limit = history.num_worth_drafting(self.num_speculative_tokens)
         if params.max_tokens is None:
-            return self.num_speculative_tokens
-        return min(self.num_speculative_tokens, params.max_tokens - request.num_output_tokens - 1)
+            return limit
+        return min(limit, params.max_tokens - request.num_output_tokens - 1)
 
     def _learn_from_last_step(self) -> None:
         """Update each drafting request's acceptance; forget finished requests."""
@@ -121,14 +155,7 @@ class AdaptiveSpeculator(Speculator):
             drafted, history.num_drafted = history.num_drafted, 0
             if num_new == 0:
                 continue  # not scheduled (or preempted): its drafts were dropped
-            rate = min(num_new - 1, drafted) / drafted
-            history.acceptance = 0.5 * history.acceptance + 0.5 * rate
-            if history.acceptance < MIN_ACCEPTANCE:
-                history.pause_steps = history.next_pause
-                history.next_pause = min(2 * history.next_pause, MAX_PAUSE_STEPS)
-                history.acceptance = MIN_ACCEPTANCE  # on resuming, one good step keeps it on
-            elif rate >= MIN_ACCEPTANCE:
-                history.next_pause = FIRST_PAUSE_STEPS
+            history.learn(min(num_new - 1, drafted), drafted)
 
     def verify(
         self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: list[list[int]]

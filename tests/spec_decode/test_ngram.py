@@ -2,13 +2,14 @@
 
 import numpy as np
 
-from nanoserve.spec_decode.ngram import NgramProposer, last_earlier_match
+from nanoserve.spec_decode.ngram import NgramProposer, best_earlier_match
 
 
 def test_the_most_recent_earlier_match_wins():
     tokens = np.array([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3])
-    assert last_earlier_match(tokens, 3) == 4
+    assert best_earlier_match(tokens, 3, 4) == 4
     assert NgramProposer(1, 3).propose_one(tokens.tolist(), 4) == [8, 5, 1, 2]
+    assert best_earlier_match(tokens, 3, 6) == 0  # only the first leaves room for 6 tokens
 
 
 def test_longer_suffixes_are_tried_first():
@@ -31,3 +32,8 @@ def test_the_draft_is_cut_at_the_known_tokens_and_the_limit():
     assert NgramProposer(1, 2).propose_one(tokens, 10) == [6, 4, 5]
     assert NgramProposer(1, 2).propose_one(tokens, 1) == [6]
     assert NgramProposer(1, 2).propose_one([7], 3) == []
+
+
+def test_a_repeating_run_drafts_a_whole_draft():
+    tokens = [3, 9, 9, 9, 9, 9, 9]
+    assert NgramProposer(2, 2).propose_one(tokens, 3) == [9, 9, 9]

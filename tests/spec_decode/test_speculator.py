@@ -77,27 +77,38 @@ def step(request: Request, num_accepted: int) -> None:
     request.spec_token_ids = []
 
 
-def test_a_request_whose_drafts_fail_pauses_then_tries_again():
+def test_fewer_drafts_as_they_fail_then_a_pause_then_one_draft_again():
     proposer = FixedProposer([7, 8, 9])
     spec, request = speculator(proposer), decoding("a", max_tokens=None)
     spec.propose([request])
+    assert request.spec_token_ids == [7, 8, 9]  # no history: every draft is worth it
     step(request, 0)
-    spec.propose([request])  # one failure: the running rate is 0.5, still drafting
-    assert request.spec_token_ids == [7, 8, 9]
-    step(request, 0)
-    spec.propose([request])  # 0.25 < ... now paused
+    spec.propose([request])  # one rejection at the first draft: the chance is ~0.4
+    assert request.spec_token_ids == [7]
     step(request, 0)
     num_paused = 0
-    while not request.spec_token_ids:
-        num_paused += 1
+    while True:  # the chance fell under 0.3: plain steps for a while
         spec.propose([request])
-        if not request.spec_token_ids:
-            step(request, 0)
-    assert num_paused == FIRST_PAUSE_STEPS + 1
+        if request.spec_token_ids:
+            break
+        num_paused += 1
+        step(request, 0)
+    assert num_paused == FIRST_PAUSE_STEPS
+    assert request.spec_token_ids == [7]  # then one draft again
     step(request, 0)
-    spec.propose([request])  # failed again right away: a pause twice as long
+    spec.propose([request])  # failed again at once: a pause twice as long
     assert request.spec_token_ids == []
     assert spec.histories["a"][1].pause_steps == 2 * FIRST_PAUSE_STEPS - 1
+
+
+def test_a_request_that_accepts_some_drafts_keeps_drafting_fewer():
+    spec, request = speculator(FixedProposer([7, 8, 9])), decoding("a", max_tokens=None)
+    lengths = []
+    for _ in range(12):
+        spec.propose([request])
+        lengths.append(len(request.spec_token_ids))
+        step(request, 1 if request.spec_token_ids else 0)  # the first draft holds, not the next
+    assert lengths[0] == 3 and all(n >= 1 for n in lengths) and lengths[-1] < 3
 
 
 def test_a_request_whose_drafts_hold_keeps_drafting_and_finished_ones_are_forgotten():
