@@ -139,3 +139,15 @@ def test_rejected_drafts_never_enter_the_prefix_cache(checkpoint):
     engine.add_request("b", known, SamplingParams(temperature=0.0, max_tokens=1))
     scheduled = engine.scheduler.schedule()
     assert scheduled.requests[0].num_computed_tokens == (len(known) - 1) // 4 * 4
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "suffix"])
+def test_seeded_sampled_requests_repeat_themselves_with_speculation(checkpoint, proposer):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NUM_NEW_TOKENS, seed=11)
+    runs = []
+    for _ in range(2):
+        engine = make_engine(checkpoint, proposer)
+        runs.append(run_checked(engine, prompts()[:2], params))
+        stats = engine.stats().spec_decode
+        assert stats is not None and stats.num_draft_tokens > 0
+    assert runs[0] == runs[1]
