@@ -29,6 +29,10 @@ class Grammar(Protocol):
         """Advance by one sampled token; False if the grammar does not allow it."""
         ...
 
+    def count_valid(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a draft it would accept (its state is unchanged)."""
+        ...
+
     @property
     def is_terminated(self) -> bool:
         """Nothing but EOS can follow: the output is over."""
@@ -43,7 +47,7 @@ class Grammar(Protocol):
 class GrammarMasks:
     """One step's masks: which batch rows are constrained, and what to add to their logits."""
 
-    rows: list[int]  # [G]: rows of the step's sampling batch that have a grammar
+    rows: list[int]  # [G]: sampling rows with a grammar (a request's last token, its drafts)
     bias: torch.Tensor  # [G, V] float32: 0 where the grammar allows the token, -inf elsewhere
 
 
@@ -54,8 +58,11 @@ class GrammarBackend(Protocol):
         """Start building `constraint`'s grammar; the future fails with a ValueError saying why."""
         ...
 
-    def start_masks(self, requests: list[Request]) -> Future[GrammarMasks] | None:
-        """Start filling the masks of the constrained `requests` (a step's sampling rows)."""
+    def start_masks(
+        self, requests: list[Request], draft_token_ids: list[list[int]]
+    ) -> Future[GrammarMasks] | None:
+        """Start filling the masks of the constrained `requests` (a step's sampling requests):
+        one row at the request's state, then one after each of its drafts."""
         ...
 
     def shutdown(self) -> None: ...
@@ -73,7 +80,7 @@ class NoGrammarBackend:
         refused.set_exception(ValueError(self.reason))
         return refused
 
-    def start_masks(self, requests: list[Request]) -> Future[GrammarMasks] | None:
+    def start_masks(self, requests: list[Request], drafts: list[list[int]]) -> None:
         return None
 
     def shutdown(self) -> None: ...

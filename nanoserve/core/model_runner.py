@@ -110,7 +110,9 @@ class ModelRunner:
         self,
         out: SchedulerOutput,
         eos_token_ids: frozenset[int],
-        start_masks: Callable[[list[Request]], Future[GrammarMasks] | None] = lambda _: None,
+        start_masks: Callable[[list[Request], list[list[int]]], Future[GrammarMasks] | None] = (
+            lambda requests, drafts: None
+        ),
         verify: Callable[[torch.Tensor, SamplingBatch, list[list[int]]], Verified] | None = None,
     ) -> tuple[
         dict[str, list[int]], dict[str, list[TokenLogprobs]], dict[str, list[TokenLogprobs]]
@@ -126,7 +128,7 @@ class ModelRunner:
         """
         layout = flatten_schedule(out, self.block_size)
         requests, drafts = layout.sampling_requests, layout.draft_token_ids
-        pending_masks = start_masks(requests)
+        pending_masks = start_masks(requests, drafts)
         # One row per position that samples: per request its last token, then each draft.
         rows = [
             (r, d[:j]) for r, d in zip(requests, drafts, strict=True) for j in range(len(d) + 1)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from nanoserve.common.protocol import TokenLogprobs
-from nanoserve.core.grammar import GrammarMasks
 from nanoserve.core.sampler import Sampler, gather_token_logprobs, to_host
 from nanoserve.core.sampling_batch import SamplingBatch
 from nanoserve.core.speculation import Verified
@@ -40,9 +39,6 @@ class RejectionSampler:
         # logits: [N, V] float32, N = requests + drafts; request r's rows are its last known
         # token then one per draft (`first_rows[r]` onwards).
         first_rows = _first_rows(draft_token_ids)
-        if batch.grammar_masks is not None:  # masks come per request: move them to its rows
-            masks = batch.grammar_masks
-            batch.grammar_masks = GrammarMasks([first_rows[r] for r in masks.rows], masks.bias)
         next_drafts = _next_draft_per_row(draft_token_ids, logits.device)  # [N], -1: none
         accepted, recovered = self._accept_and_recover(logits, batch, next_drafts)
         accepted_host, recovered_host = (t.tolist() for t in to_host(accepted, recovered))

@@ -1,9 +1,10 @@
 """The speculator the engine is given: a proposer, the rejection sampler, and when to draft.
 
 When to draft (speculation must never make a workload meaningfully slower):
-- Only for a request that decodes (its prompt is in the cache), has no grammar (a draft would
-  need the grammar advanced and rolled back per position; constrained requests decode plainly),
-  and has at least two tokens left to generate.
+- Only for a request that decodes (its prompt is in the cache) and has at least two tokens
+  left to generate; a structured-output request's drafts are cut at the first token its
+  grammar refuses (the grammar backend then masks each draft row at the state after the drafts
+  before it, and rolls the grammar back).
 - Not in a step where `disable_by_batch_size` requests (default 8) or more are decoding: a
   batch that large already fills the step with tokens, and verifying k + 1 tokens per request
   costs more than the accepted tokens save.
@@ -123,6 +124,8 @@ class AdaptiveSpeculator(Speculator):
         if not chosen:
             return
         for request, drafts in zip(chosen, self.proposer.propose(chosen, limits), strict=True):
+            if request.grammar is not None:  # only what the grammar accepts is drafted
+                drafts = drafts[: request.grammar.count_valid(drafts)]
             request.spec_token_ids = drafts
             history = self.histories[request.request_id][1]
             history.num_drafted = len(drafts)
@@ -131,8 +134,8 @@ class AdaptiveSpeculator(Speculator):
     def _draft_limit(self, request: Request) -> int:
         """How many tokens `request` may have drafted for its next step (0: none)."""
         params = request.sampling_params
-        if request.grammar is not None or request.grammar_future is not None:
-            return 0
+        if request.grammar_future is not None:
+            return 0  # its grammar is still being built
         _, history = self.histories.setdefault(request.request_id, (request, DraftHistory()))
         if history.pause_steps > 0:
             history.pause_steps -= 1

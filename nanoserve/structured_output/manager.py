@@ -145,27 +145,49 @@ class StructuredOutputManager:
                 )
             return self._ll_tokenizer, self._sandbox
 
-    def start_masks(self, requests: list[Request]) -> Future[GrammarMasks] | None:
-        """Fill the masks of the constrained `requests` (the step's sampling rows) on a thread."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if not rows:
+    def start_masks(
+        self, requests: list[Request], draft_token_ids: list[list[int]]
+    ) -> Future[GrammarMasks] | None:
+        """Fill the masks of the constrained `requests` (the step's sampling requests) on a
+        thread: a row at each one's state, then a row after each of its drafts."""
+        constrained: list[tuple[int, GrammarState, list[int]]] = []
+        first_row = 0
+        for request, drafts in zip(requests, draft_token_ids, strict=True):
+            if request.grammar is not None:
+                constrained.append((first_row, cast(GrammarState, request.grammar), drafts))
+            first_row += 1 + len(drafts)
+        if not constrained:
             return None
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
             self._executor = llguidance.LLExecutor()
-        grammars = [requests[i].grammar for i in rows]
-        return self._mask_pool.submit(self._fill_masks, rows, grammars)
+        return self._mask_pool.submit(self._fill_masks, constrained)
 
-    def _fill_masks(self, rows: list[int], grammars: list[Grammar | None]) -> GrammarMasks:
-        """The bitmask of every constrained row, as a [G, V] bias (all off the step loop)."""
+    def _fill_masks(self, constrained: list[tuple[int, GrammarState, list[int]]]) -> GrammarMasks:
+        """The bitmask of every constrained row, as a [G, V] bias (all off the step loop).
+
+        Draft rows: each matcher consumes its drafts one at a time (the speculator drafted only
+        tokens it accepts), a mask after each, and is rolled back to where it was.
+        """
         num_words = (self.vocab_size + 31) // 32
+        rows = [first + j for first, _, drafts in constrained for j in range(len(drafts) + 1)]
         bitmask = np.full((len(rows), num_words), -1, dtype=np.int32)  # [G, W]
-        states = [cast(GrammarState, g) for g in grammars]  # the grammars this backend built
-        matchers = [(g.matcher, k) for k, g in enumerate(states) if g is not None]
         assert self._executor is not None
-        self._executor.unsafe_compute_mask_ptr(
-            matchers, bitmask.ctypes.data, num_words * 4, len(rows)
-        )
+        mask_row = {row: k for k, row in enumerate(rows)}
+        for position in range(1 + max(len(drafts) for _, _, drafts in constrained)):
+            matchers = []
+            for first, state, drafts in constrained:
+                if position > len(drafts):
+                    continue
+                if position and not state.accept(drafts[position - 1]):
+                    raise ValueError("a draft the grammar refuses reached the masks")
+                matchers.append((state.matcher, mask_row[first + position]))
+            self._executor.unsafe_compute_mask_ptr(
+                matchers, bitmask.ctypes.data, num_words * 4, len(rows)
+            )
+        for _, state, drafts in constrained:
+            if drafts:
+                state.rollback(len(drafts))
         return GrammarMasks(rows, bias_from_bitmask(bitmask, self.vocab_size))
 
     def shutdown(self) -> None:

@@ -151,3 +151,29 @@ def test_seeded_sampled_requests_repeat_themselves_with_speculation(checkpoint, 
         stats = engine.stats().spec_decode
         assert stats is not None and stats.num_draft_tokens > 0
     assert runs[0] == runs[1]
+
+
+def test_constrained_requests_draft_within_their_grammar(checkpoint):
+    """Drafts of a structured-output request stop where its grammar refuses; each draft row is
+    masked at its own state; the output is the plain engine's, and follows the grammar."""
+    from nanoserve.common.sampling_params import StructuredOutputsParams
+
+    constraint = StructuredOutputsParams(regex="(ab|cd){10}")
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NUM_NEW_TOKENS, structured_outputs=constraint
+    )
+    outputs = []
+    for proposer in (None, "ngram"):
+        engine = make_engine(checkpoint, proposer)
+        outputs.append(run_checked(engine, prompts()[:3], params))
+        engine.shutdown()
+    assert outputs[0] == outputs[1]
+    stats = engine.stats().spec_decode
+    assert stats is not None and stats.num_accepted_tokens > 0
+    for tokens in outputs[1]:
+        text = bytes(t for t in tokens if t < 256).decode()
+        assert (
+            text
+            and set(text) <= set("abcd")
+            and all(text[i : i + 2] in ("ab", "cd") for i in range(0, len(text) - 1, 2))
+        )

@@ -52,13 +52,21 @@ def test_drafts_for_decoding_requests_within_max_tokens():
     assert [r.spec_token_ids for r in requests] == [[7, 8, 9], [], [7], [7, 8, 9]]
 
 
-def test_constrained_requests_are_not_drafted_for():
-    proposer = FixedProposer([7])
+class PrefixGrammar:
+    """Accepts drafts up to the first 9."""
+
+    def count_valid(self, token_ids):
+        return token_ids.index(9) if 9 in token_ids else len(token_ids)
+
+
+def test_constrained_drafts_stop_where_the_grammar_refuses_and_pending_ones_get_none():
+    proposer = FixedProposer([7, 8, 9, 10])
     constrained, pending = decoding("g"), decoding("p")
-    constrained.grammar = object()  # type: ignore[assignment]
+    constrained.grammar = PrefixGrammar()  # type: ignore[assignment]
     pending.grammar_future = Future()
     speculator(proposer).propose([constrained, pending, decoding("free")])
-    assert proposer.asked == [["free"]]
+    assert proposer.asked == [["g", "free"]]
+    assert constrained.spec_token_ids == [7, 8] and pending.spec_token_ids == []
 
 
 def test_no_drafts_at_the_batch_size_that_disables_them():

@@ -31,7 +31,7 @@ def manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StructuredOutp
 
 
 def allowed_ids(manager: StructuredOutputManager, grammar) -> set[int]:
-    future = manager.start_masks([FakeRequest(grammar)])
+    future = manager.start_masks([FakeRequest(grammar)], [[]])
     assert future is not None
     bias = future.result(timeout=30).bias[0]
     return set(torch.isfinite(bias).nonzero().flatten().tolist())
@@ -73,9 +73,23 @@ def test_a_grammar_that_cannot_be_built_fails_its_future(manager) -> None:
 
 def test_only_constrained_rows_get_masks(manager) -> None:
     grammar = manager.compile(StructuredOutputsParams(regex="x")).result(timeout=60)
-    assert manager.start_masks([FakeRequest(None)]) is None
-    future = manager.start_masks([FakeRequest(None), FakeRequest(grammar), FakeRequest(None)])
+    assert manager.start_masks([FakeRequest(None)], [[]]) is None
+    requests = [FakeRequest(None), FakeRequest(grammar), FakeRequest(None)]
+    future = manager.start_masks(requests, [[], [], []])
     assert future is not None and future.result(timeout=30).rows == [1]
+
+
+def test_draft_rows_are_masked_at_the_state_after_the_drafts_before_them(manager) -> None:
+    grammar = manager.compile(StructuredOutputsParams(regex="ab(c|d)e")).result(timeout=60)
+    requests = [FakeRequest(None), FakeRequest(grammar)]
+    # The free request drafts 2 tokens (rows 0-2); the constrained one drafts "ab" (rows 3-5).
+    future = manager.start_masks(requests, [[7, 8], [ord("a"), ord("b")]])
+    assert future is not None
+    masks = future.result(timeout=30)
+    assert masks.rows == [3, 4, 5]
+    allowed = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in masks.bias]
+    assert allowed == [{ord("a")}, {ord("b")}, {ord("c"), ord("d")}]
+    assert allowed_ids(manager, grammar) == {ord("a")}  # rolled back to where it was
 
 
 def test_the_bitmask_becomes_a_bias_in_token_order() -> None:
