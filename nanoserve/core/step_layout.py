@@ -22,6 +22,7 @@ class StepLayout:
     input_ids: list[int] = field(default_factory=list)  # [T]
     positions: list[int] = field(default_factory=list)  # [T]
     slot_mapping: list[int] = field(default_factory=list)  # [T]: block_id * block_size + offset
+    # [B] attention sequences: a request each, or with drafts one per token
     query_lens: list[int] = field(default_factory=list)  # [B]
     seq_lens: list[int] = field(default_factory=list)  # [B]: context length after this step
     block_tables: list[list[int]] = field(default_factory=list)  # [B]
@@ -47,23 +48,33 @@ class StepLayout:
 
 
 def flatten_schedule(out: SchedulerOutput, block_size: int) -> StepLayout:
-    """Lay out the scheduled tokens of all requests as one batch, decodes first."""
-    num_tokens = out.num_scheduled_tokens
+    """Lay out the scheduled tokens of all requests as one batch, decodes first.
+
+    A decode with drafts is laid out as one attention sequence per token, each a decode of one
+    query over the context up to it (same block table): every decode path (the paged-decode
+    kernels, CUDA graphs) then verifies drafts as it decodes.
+    """
+    num_tokens, drafted = out.num_scheduled_tokens, out.draft_token_ids
     layout = StepLayout()
-    for request in sorted(out.requests, key=lambda r: num_tokens[r.request_id] > 1):
+
+    def is_chunk(request: Request) -> bool:  # a prompt chunk, not a decode (with drafts or not)
+        return num_tokens[request.request_id] - len(drafted.get(request.request_id, ())) > 1
+
+    for request in sorted(out.requests, key=is_chunk):
         start = request.num_computed_tokens
         end = start + num_tokens[request.request_id]
         blocks = request.block_ids
-        drafts = out.draft_token_ids.get(request.request_id, [])
+        drafts = drafted.get(request.request_id, [])
         layout.prompt_logprob_rows.add(request, start, end, first_row=len(layout.input_ids))
         layout.input_ids.extend(request.all_token_ids[start : end - len(drafts)] + drafts)
         layout.positions.extend(range(start, end))
         layout.slot_mapping.extend(
             blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
         )
-        layout.query_lens.append(end - start)
-        layout.seq_lens.append(end)
-        layout.block_tables.append(blocks)
+        num_sequences = 1 + len(drafts)  # drafts: one single-query sequence per token
+        layout.query_lens.extend([(end - start) // num_sequences] * num_sequences)
+        layout.seq_lens.extend(range(end - num_sequences + 1, end + 1))
+        layout.block_tables.extend([blocks] * num_sequences)
         # The whole known sequence is cached after this step: sample the next token (and,
         # behind each draft, the one after it).
         if end - len(drafts) == request.num_tokens and not request.is_prompt_only:

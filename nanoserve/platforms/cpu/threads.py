@@ -39,6 +39,12 @@ SLOWDOWN_FACTOR = 2.0  # a current step this much slower than usual starts a pro
 BASELINE_STEPS = 8  # recent steps at the current count that make "usual"
 
 
+def is_timed(layout: StepLayout) -> bool:
+    """Decode steps are timed and compared; not those that verify drafts (they run more
+    tokens by design, and would look like a core lost to another process)."""
+    return layout.is_decode_only and not any(layout.draft_token_ids)
+
+
 class ThreadGovernor:
     """Picks the thread count of the next step from the times of the last ones (see above)."""
 
@@ -55,13 +61,13 @@ class ThreadGovernor:
 
     def threads_for(self, layout: StepLayout) -> int:
         """The count to run this step with."""
-        if self.probe and layout.is_decode_only:
+        if self.probe and is_timed(layout):
             return self.probe[0]
         return self.threads
 
     def observe(self, layout: StepLayout, threads: int, seconds: float) -> None:
         """A step ran at `threads` in `seconds`; only decode steps are compared."""
-        if not layout.is_decode_only or self.max_threads == 1:
+        if not is_timed(layout) or self.max_threads == 1:
             return
         self.num_decode_steps += 1
         if self.probe:
