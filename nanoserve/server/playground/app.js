@@ -153,13 +153,29 @@ function number(id, parse = Number) {
   return value === "" ? undefined : parse(value);
 }
 
-function longPrefix() {
-  // A few thousand tokens of fixed text, cut to half the context (no token is shorter than a
-  // character, so the cut text never holds more tokens than characters).
+function fullPrefix() {
   let text = "";
   for (let i = 1; text.length < 12000; i++) text += `${i}. ${PREFIX_SENTENCE}`;
-  const limit = state.maxModelLen ? Math.floor(state.maxModelLen / 2) : text.length;
-  return text.slice(0, Math.min(text.length, limit)) + "\n\n";
+  return text;
+}
+
+async function measurePrefix() {
+  // The long shared prefix: a few thousand tokens of fixed text, cut to at most half the
+  // model's context (this server's tokenizer says how many characters a token holds here).
+  const text = fullPrefix();
+  let limit = state.maxModelLen ? Math.floor(state.maxModelLen / 2) : text.length; // ≥ 1 char a token
+  try {
+    const response = await fetch("/tokenize", { method: "POST", headers: headers({ "Content-Type": "application/json" }), body: JSON.stringify({ prompt: text, add_special_tokens: false }) });
+    const count = (await response.json()).count;
+    if (count > 0 && state.maxModelLen) limit = Math.floor((state.maxModelLen / 2) * (text.length / count));
+  } catch (error) {
+    // keep the cut that holds for any tokenizer
+  }
+  state.prefix = text.slice(0, Math.min(text.length, limit)) + "\n\n";
+}
+
+function longPrefix() {
+  return state.prefix || "";
 }
 
 function samplingFields() {
@@ -401,6 +417,7 @@ async function main() {
   state.config = await (await fetch("/playground/config.json")).json();
   $("#model-name").textContent = state.config.model;
   await fetchModels();
+  await measurePrefix();
   const ours = addColumn(new Server("nanoserve", ""));
   ours.modelName = state.config.model;
   for (const name of state.config.peers) {

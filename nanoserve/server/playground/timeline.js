@@ -6,7 +6,6 @@
 
 const SVG = "http://www.w3.org/2000/svg";
 const LANE_HEIGHT = 26;
-const WIDTH = 1000;
 const COLORS = { waiting: "#c3c9d4", prefill: "#2f6fde", decode: "#1f9d55", recompute: "#e07b00", preempted: "#d64545", finished: "#1d2330", cached: "#0e9aa7" };
 
 function svgElement(name, attributes, title) {
@@ -83,13 +82,14 @@ function eventTable(requests) {
 }
 
 function drawTimeline(target, timeline, onDownload) {
+  const WIDTH = Math.max(200, target.clientWidth || 1000); // drawn at the column's own width
   const requests = timeline.requests;
   const end = Math.max(1e-3, ...requests.flatMap((r) => r.events.map(eventEnd)));
   const scale = (t) => 4 + (t / end) * (WIDTH - 8);
   const height = requests.length * LANE_HEIGHT + 16;
-  const svg = svgElement("svg", { viewBox: `0 0 ${WIDTH} ${height}`, role: "img", "aria-label": "request timeline" });
+  const svg = svgElement("svg", { viewBox: `0 0 ${WIDTH} ${height}`, width: WIDTH, height, role: "img", "aria-label": "request timeline" });
   requests.forEach((request, index) => drawLane(svg, request, index * LANE_HEIGHT, scale));
-  const axis = svgElement("text", { x: WIDTH - 4, y: height - 3, "text-anchor": "end", "font-size": 12, fill: "#667085" });
+  const axis = svgElement("text", { x: WIDTH - 4, y: height - 3, "text-anchor": "end", "font-size": 11, fill: "#667085" });
   axis.textContent = `${ms(end)} since arrival`;
   svg.append(axis);
   const legend = document.createElement("div");

@@ -27,7 +27,7 @@ from tiny_checkpoints import make_tiny_checkpoint
 
 playwright_api = pytest.importorskip("playwright.sync_api")  # a dev extra: always there in CI
 
-VIEWPORT = {"width": 1100, "height": 720}
+VIEWPORT = {"width": 1000, "height": 600}
 TIMEOUT_MS = 60_000
 DEMO = "nanoserve-demo"
 FIBONACCI = "def fibonacci(n):"
@@ -77,14 +77,23 @@ def open_page(page, url: str) -> None:
 
 
 def shoot(page, tmp_path: Path, name: str) -> Path:
-    """A screenshot, kept small; also copied where NANOSERVE_SCREENSHOTS says."""
+    """A screenshot once every light has caught up, kept small; also copied where
+    NANOSERVE_SCREENSHOTS says."""
+    page.wait_for_function(
+        "[...document.querySelectorAll('.column:not([hidden]) .light')]"
+        ".every(light => light.dataset.state === 'ready')"
+    )
     path = tmp_path / f"{name}.png"
     page.screenshot(path=str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert path.stat().st_size < 150_000
-    if target := os.environ.get("NANOSERVE_SCREENSHOTS"):
+    assert path.stat().st_size < 120_000
+    if target := os.environ.get("NANOSERVE_SCREENSHOTS"):  # 96 colours: tens of KB
+        from PIL import Image
+
         Path(target).mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, Path(target) / path.name)
+        with Image.open(path) as image:
+            small = image.convert("RGB").quantize(96, dither=Image.Dither.NONE)
+            small.save(Path(target) / path.name, optimize=True)
     return path
 
 
@@ -132,7 +141,36 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory):
         yield server
 
 
-# ---- the tests ----
+# ---- the page's routes ----
+
+
+def test_the_page_and_its_files_are_served_from_the_package(server: InProcessServer) -> None:
+    index = httpx.get(f"{server.url}/", timeout=30)
+    assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
+    assert '<script src="/playground/app.js"' in index.text
+    for name, kind in [
+        ("app.js", "text/javascript"),
+        ("timeline.js", "text/javascript"),
+        ("style.css", "text/css"),
+    ]:
+        response = httpx.get(f"{server.url}/playground/{name}", timeout=30)
+        assert response.status_code == 200 and response.headers["content-type"].startswith(kind)
+    for name in ("page.py", "..%2Fapp.py", "nope.js"):  # a request names no file
+        response = httpx.get(f"{server.url}/playground/{name}", timeout=30)
+        assert response.status_code == 404 and response.json()["error"]["code"] == 404
+    config = httpx.get(f"{server.url}/playground/config.json", timeout=30).json()
+    assert config == {"model": "tiny", "api_key_required": False, "peers": []}
+
+
+def test_disable_playground_turns_the_page_off(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    with serving_in_process(tiny_model, tmp_path_factory, "--disable-playground") as server:
+        for path in ("/", "/playground/app.js", "/v1/playground/peers"):
+            assert httpx.get(f"{server.url}{path}", timeout=30).status_code == 404
+
+
+# ---- the page in the browser ----
 
 
 def test_the_page_loads_with_nothing_from_elsewhere(page, demo_server: InProcessServer) -> None:
