@@ -44,7 +44,6 @@ def router(config: ServerConfig) -> APIRouter:
     async def peer_names() -> dict[str, list[str]]:
         return {"peers": list(peers)}
 
-    @api.api_route("/v1/playground/peers/{name}/{path:path}", methods=["GET", "POST"])
     async def relay(name: str, path: str, request: Request) -> Response:
         if name not in peers:
             raise APIError(f"no playground peer is named {name!r}", 404)
@@ -57,6 +56,13 @@ def router(config: ServerConfig) -> APIRouter:
             body = await read_body(request, config.max_body_bytes)
         return await _relay(name, f"{peers[name]}/{path}", request, body)
 
+    for method in ("GET", "POST"):
+        api.add_api_route(
+            "/v1/playground/peers/{name}/{path:path}",
+            relay,
+            methods=[method],
+            operation_id=f"playground_peer_{method.lower()}",
+        )
     return api
 
 
