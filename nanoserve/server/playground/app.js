@@ -189,7 +189,8 @@ function samplingFields() {
     stream: true,
     stream_options: { include_usage: true },
   };
-  const stop = $("#stop").value.split("\n").filter((s) => s !== "");
+  // One a line; "\n" written out stands for a newline.
+  const stop = $("#stop").value.split("\n").filter((s) => s !== "").map((s) => s.replaceAll("\\n", "\n"));
   if (stop.length) body.stop = stop;
   const schema = $("#json-schema").value.trim();
   if (schema) {

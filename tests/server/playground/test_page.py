@@ -12,6 +12,7 @@ The README's screenshots are made here: set NANOSERVE_SCREENSHOTS=docs/images to
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -220,6 +221,51 @@ def test_a_chat_streams_into_the_page_chunk_by_chunk(page, slow_server: InProces
     assert page.inner_text(".column .fig-ttft").endswith(" ms")
     assert float(page.inner_text(".column .fig-tps")) > 0
     assert page.inner_text(".column .fig-prompt") == str(answer["usage"]["prompt_tokens"])
+
+
+def test_the_settings_make_the_request(page, demo_server: InProcessServer) -> None:
+    open_page(page, demo_server.url)
+    page.fill("#system-prompt", "Be brief.")
+    page.check("#thinking")
+    for field, value in [
+        ("temperature", "0.7"),
+        ("top_p", "0.9"),
+        ("top_k", "40"),
+        ("min_p", "0.05"),
+        ("max_tokens", "8"),
+        ("seed", "7"),
+    ]:
+        page.fill(f"#{field}", value)
+    page.fill("#stop", "\\n\n\nEND")  # a written-out newline, an empty line, END
+    page.fill("#json-schema", "{oops")
+    page.fill("#prompt", "import os")
+    page.click("#send")
+    assert page.inner_text("#form-error").startswith("The JSON schema does not parse")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    page.fill("#json-schema", json.dumps(schema))
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#send")
+    body = sent.value.post_data_json
+    assert body["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "import os"},
+    ]
+    assert body["chat_template_kwargs"] == {"enable_thinking": True}
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 40)
+    assert (body["min_p"], body["max_tokens"], body["seed"]) == (0.05, 8, 7)
+    assert body["stop"] == ["\n", "END"] and body["stream"] is True
+    assert body["response_format"]["json_schema"]["schema"] == schema
+    assert sent.value.headers["x-request-timeline"] == "true"
+    assert wait_outcome(page) == "finished"
+    page.click("#mode-completion")
+    page.fill("#fim-suffix", "    return x")
+    page.fill("#json-schema", "")
+    with page.expect_request("**/v1/completions") as sent:
+        page.click("#send")
+    body = sent.value.post_data_json
+    assert (body["prompt"], body["suffix"]) == ("import os", "    return x")
+    assert "messages" not in body and "response_format" not in body
+    wait_outcome(page)
 
 
 def test_stop_aborts_the_request_in_the_server(page, slow_server: InProcessServer) -> None:
