@@ -99,3 +99,12 @@ def test_with_the_playground_off_timelines_are_off(
         response = timeline(server.url, answer["id"])
     assert response.status_code == 404
     assert "request timelines are off" in response.json()["error"]["message"]
+
+
+def test_a_stop_string_ends_the_timeline_as_stop(server: InProcessServer) -> None:
+    first = complete(server.url, max_tokens=8)["choices"][0]["text"]
+    stop = first[2:4]  # greedy: the same text again, cut at its third character
+    answer = complete(server.url, ASK, max_tokens=8, stop=[stop])
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    events = timeline(server.url, answer["id"]).json()["requests"][0]["events"]
+    assert events[-1]["type"] == "finished" and events[-1]["reason"] == "stop"

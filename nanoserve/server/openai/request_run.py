@@ -163,6 +163,8 @@ class RequestRun:
         if update is None:
             return None  # its choice ended at a stop string; the abort crossed this delta
         if update.needs_abort:  # a stop string ended the text; the engine does not know it
+            if self.client.timelines is not None:  # its timeline ends as its answer does
+                self.client.timelines.on_finished(delta.request_id, "stop", time.monotonic())
             self.client.abort([delta.request_id])
         self._observe(update, delta)
         return update
