@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import serving_in_process
 from servers import API_KEY, InProcessServer, ServerProcess, read_metrics
 from tiny_checkpoints import make_tiny_checkpoint
 
@@ -132,13 +131,17 @@ def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def slow_server(slow_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    with serving_in_process(slow_model, tmp_path_factory, "--served-model-name", "slow") as server:
+    with InProcessServer(
+        slow_model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", "slow"
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory: pytest.TempPathFactory):
-    with serving_in_process(DEMO, tmp_path_factory, "--dtype", "float32") as server:
+    with InProcessServer(
+        DEMO, tmp_path_factory.mktemp("log") / "server.log", "--dtype", "float32"
+    ) as server:
         yield server
 
 
@@ -166,7 +169,9 @@ def test_the_page_and_its_files_are_served_from_the_package(server: InProcessSer
 def test_disable_playground_turns_the_page_off(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    with serving_in_process(tiny_model, tmp_path_factory, "--disable-playground") as server:
+    with InProcessServer(
+        tiny_model, tmp_path_factory.mktemp("log") / "server.log", "--disable-playground"
+    ) as server:
         for path in ("/", "/playground/app.js", "/v1/playground/peers"):
             assert httpx.get(f"{server.url}{path}", timeout=30).status_code == 404
 
@@ -294,7 +299,7 @@ def test_a_race_against_a_second_nanoserve_shows_both_columns(
     page, demo_server: InProcessServer, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
     peer = ("--playground-peer", f"peer={demo_server.url}/v1", "--dtype", "float32")
-    with serving_in_process(DEMO, tmp_path_factory, *peer) as server:
+    with InProcessServer(DEMO, tmp_path_factory.mktemp("log") / "server.log", *peer) as server:
         open_page(page, server.url)
         page.click("#mode-completion")
         fill_settings(page, max_tokens=48)
@@ -376,7 +381,7 @@ def test_the_light_follows_a_worker_restart(page, front_process: ServerProcess) 
 def test_the_light_goes_down_when_the_server_stops(
     page, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    with serving_in_process(tiny_model, tmp_path_factory) as server:
+    with InProcessServer(tiny_model, tmp_path_factory.mktemp("log") / "server.log") as server:
         open_page(page, server.url)
         light = '.column[data-server="nanoserve"] .light'
         page.wait_for_selector(f'{light}[data-state="ready"]')

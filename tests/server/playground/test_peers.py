@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import serving_in_process
 from servers import API_KEY, InProcessServer, free_port
 
 from nanoserve.cli.main import build_parser
@@ -24,7 +23,9 @@ def front(server: InProcessServer, tiny_model: Path, tmp_path_factory: pytest.Te
         "--playground-peer",
         f"gone=http://127.0.0.1:{free_port()}",
     )
-    with serving_in_process(tiny_model, tmp_path_factory, *peers) as front:
+    with InProcessServer(
+        tiny_model, tmp_path_factory.mktemp("log") / "server.log", *peers
+    ) as front:
         yield front
 
 
@@ -89,7 +90,9 @@ def test_the_peers_are_behind_this_servers_api_key(
     server: InProcessServer, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     flags = ("--api-key", API_KEY, "--playground-peer", f"tiny={server.url}")
-    with serving_in_process(tiny_model, tmp_path_factory, *flags) as front:
+    with InProcessServer(
+        tiny_model, tmp_path_factory.mktemp("log") / "server.log", *flags
+    ) as front:
         assert relay(front, "tiny", "health").status_code == 401
         authorized = {"Authorization": f"Bearer {API_KEY}"}
         assert relay(front, "tiny", "health", headers=authorized).status_code == 200

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import serving_in_process
 from servers import InProcessServer
 
 ASK = {"X-Request-Timeline": "true"}
@@ -80,7 +79,9 @@ def test_a_request_that_did_not_ask_is_not_recorded(server: InProcessServer) -> 
 @pytest.fixture(scope="module")
 def recording_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     flags = ("--enable-request-timeline", "--disable-playground", "--served-model-name", "tiny")
-    with serving_in_process(tiny_model, tmp_path_factory, *flags) as server:
+    with InProcessServer(
+        tiny_model, tmp_path_factory.mktemp("log") / "server.log", *flags
+    ) as server:
         yield server
 
 
@@ -94,7 +95,9 @@ def test_with_the_playground_off_timelines_are_off(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     flags = ("--disable-playground", "--served-model-name", "tiny")
-    with serving_in_process(tiny_model, tmp_path_factory, *flags) as server:
+    with InProcessServer(
+        tiny_model, tmp_path_factory.mktemp("log") / "server.log", *flags
+    ) as server:
         answer = complete(server.url, ASK)
         response = timeline(server.url, answer["id"])
     assert response.status_code == 404
