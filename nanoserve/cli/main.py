@@ -279,6 +279,9 @@ def server_config_from_args(args: argparse.Namespace, model: str, model_dir: Pat
         allowed_headers=tuple(args.allowed_headers),
         allow_credentials=args.allow_credentials,
         enable_server_load_tracking=args.enable_server_load_tracking,
+        enable_request_timeline=args.enable_request_timeline,
+        enable_playground=not args.disable_playground,
+        playground_peers=tuple(args.playground_peer),
         default_sampling=generation_defaults(args.generation_config, model_dir),
     )
 

@@ -110,6 +110,7 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         help="log level of the server and the worker",
     )
     add_cors_and_load_flags(parser)
+    add_playground_flags(parser)
     add_limit_and_timeout_flags(parser)
 
 
@@ -150,6 +151,40 @@ def add_cors_and_load_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count the requests in flight on the generation routes for GET /load "
         "(without it /load answers 0, as in vLLM)",
+    )
+
+
+def playground_peer(text: str) -> tuple[str, str]:
+    """NAME=URL, e.g. vllm=http://127.0.0.1:8001 (the URL without /v1)."""
+    name, sep, url = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(
+            f"not NAME=URL: {text!r} (e.g. vllm=http://127.0.0.1:8001)"
+        )
+    return name.strip(), url.strip().rstrip("/").removesuffix("/v1")
+
+
+def add_playground_flags(parser: argparse.ArgumentParser) -> None:
+    """The page at / and the request timelines it draws."""
+    parser.add_argument(
+        "--disable-playground",
+        action="store_true",
+        help="serve no page at / (and no timelines, unless --enable-request-timeline)",
+    )
+    parser.add_argument(
+        "--playground-peer",
+        type=playground_peer,
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="another OpenAI-compatible server the playground races against, reached through "
+        "this one (repeatable)",
+    )
+    parser.add_argument(
+        "--enable-request-timeline",
+        action="store_true",
+        help="record every request's timeline (GET /v1/requests/{id}/timeline; the last 100 "
+        "requests are kept); without it only the playground's requests are recorded",
     )
 
 

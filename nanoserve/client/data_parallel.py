@@ -80,6 +80,7 @@ class DataParallelClient(EngineClient):
         for engine in self.engines:
             engine.on_stats = self.on_stats
             engine.on_step_tokens = self.on_step_tokens
+            engine.timelines = self.timelines
             engine.on_ready = lambda info, e=engine: self._engine_ready(e, info)
             engine.on_start_failed = self._engine_failed_to_start
             await engine.start()
@@ -118,11 +119,12 @@ class DataParallelClient(EngineClient):
         prompt_token_ids: list[int],
         params: SamplingParams,
         stream: RequestStream,
+        record_timeline: bool = False,
     ) -> int:
         if not self._is_accepting:
             raise EngineDeadError("the server is shutting down")
         engine = self.choose_engine(prompt_token_ids, remember=True)
-        return engine.add_request(request_id, prompt_token_ids, params, stream)
+        return engine.add_request(request_id, prompt_token_ids, params, stream, record_timeline)
 
     def abort(self, request_ids: list[str]) -> None:
         """Each engine aborts those of the ids it serves (it knows its own)."""

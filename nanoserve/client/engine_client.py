@@ -19,6 +19,7 @@ from collections.abc import Callable
 import msgspec
 
 from nanoserve.client.request_stream import RequestStream
+from nanoserve.client.request_timeline import RequestTimelines
 from nanoserve.common.protocol import (
     AbortRequests,
     AddRequest,
@@ -62,6 +63,8 @@ class EngineClient:
         # Called with the tokens of each engine step that produced any, and the engine's index:
         # those generated, and the prompts whose prefill the step ended (vLLM's count).
         self.on_step_tokens: Callable[[int, int], None] | None = None
+        # Where the timelines of requests added with `record_timeline` go (None: not kept).
+        self.timelines: RequestTimelines | None = None
         self._is_ready = False
         self._is_accepting = True  # False once the server is shutting down
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream
@@ -116,16 +119,20 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         stream: RequestStream,
+        record_timeline: bool = False,
     ) -> int:
         """Queue one (n == 1) engine request; its deltas will arrive on `stream`. Returns the
-        index of the engine that runs it."""
+        index of the engine that runs it. `record_timeline`: the worker describes its steps
+        (for `self.timelines`, where the caller has started its timeline)."""
         if not self._is_ready:
             raise EngineDeadError("the model worker is not ready")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = stream
         self._unstarted[request_id] = len(prompt_token_ids)
-        message = AddRequest(request_id, list(prompt_token_ids), params, time.monotonic())
+        message = AddRequest(
+            request_id, list(prompt_token_ids), params, time.monotonic(), record_timeline
+        )
         if not self._send(message):
             self._remove(request_id)
             raise EngineDeadError("the model worker is not reachable")
@@ -145,6 +152,7 @@ class EngineClient:
 
     def _end_in_flight(self, reason: str) -> None:
         request_ids = list(self._streams)
+        self._end_timelines(request_ids, "error")
         self._fail_all(EngineDeadError(reason))
         if request_ids and self._is_ready:
             self._send(AbortRequests(request_ids))
@@ -152,6 +160,7 @@ class EngineClient:
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests in the engine (frees their KV blocks); late deltas are dropped."""
         live_ids = [i for i in request_ids if self._remove(i)]
+        self._end_timelines(live_ids, "abort")
         if live_ids and self._is_ready:
             self._send(AbortRequests(live_ids))
 
@@ -161,6 +170,8 @@ class EngineClient:
 
     def _on_message(self, message: msgspec.Struct) -> None:
         if isinstance(message, StepOutputs):
+            if message.step is not None and self.timelines is not None:
+                self.timelines.on_step(message.step)
             num_tokens = self._route(message.deltas)
             if num_tokens and self.on_step_tokens is not None:
                 self.on_step_tokens(num_tokens, self.engine_index)
@@ -171,6 +182,7 @@ class EngineClient:
             stream = self._streams.get(message.request_id)
             if stream is not None:
                 self._remove(message.request_id)
+                self._end_timelines([message.request_id], "error")
                 stream.put(RequestRejectedError(message.message))
         else:
             logger.warning("unexpected message from the worker: %s", type(message).__name__)
@@ -185,10 +197,19 @@ class EngineClient:
             num_tokens += len(delta.new_token_ids) + self._unstarted.pop(delta.request_id, 0)
             if delta.finish_reason is not None:
                 del self._streams[delta.request_id]
+                reason = str(delta.finish_reason) if delta.error is None else "error"
+                self._end_timelines([delta.request_id], reason)
             stream.put(delta if delta.error is None else RequestRejectedError(delta.error))
         return num_tokens
 
+    def _end_timelines(self, request_ids: list[str], reason: str) -> None:
+        if self.timelines is not None:
+            now = time.monotonic()
+            for request_id in request_ids:
+                self.timelines.on_finished(request_id, reason, now)
+
     def _fail_all(self, error: Exception) -> None:
+        self._end_timelines(list(self._streams), "error")
         streams = set(self._streams.values())
         self._streams.clear()
         self._unstarted.clear()

@@ -87,6 +87,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic() in the front; the clock is shared on one machine
+    record_timeline: bool = False  # the worker describes each step that runs it (StepRecord)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -120,11 +121,35 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     setup_time_s: float = 0.0  # a worker process's fast paths (CPU kernels), parallel group
 
 
+class ScheduledChunk(msgspec.Struct, array_like=True):
+    """What one step ran of one request: tokens [num_computed_tokens, + num_tokens).
+
+    On the step that admits a request, `num_computed_tokens` is its prefix-cache hit.
+    """
+
+    request_id: str
+    num_computed_tokens: int  # in the KV cache before the step
+    num_tokens: int  # run in this step (a prompt chunk, a recompute, or decode tokens)
+
+
+class StepRecord(msgspec.Struct, array_like=True):
+    """One engine step as a request timeline sees it (only for requests that asked for one)."""
+
+    step_index: int  # counted by the engine loop since it started
+    start_time: float  # time.monotonic() in the worker, as AddRequest.arrival_time
+    end_time: float
+    num_requests: int  # the batch: every request the step ran
+    num_batched_tokens: int  # tokens the whole batch ran
+    chunks: list[ScheduledChunk]  # the recorded requests that ran
+    preempted_ids: list[str]  # the recorded requests this step preempted
+
+
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
     """What one engine step produced: a delta per request that advanced, and fresh stats."""
 
     deltas: list[RequestDelta]
     stats: EngineStats
+    step: StepRecord | None = None  # when a request in the step records its timeline
 
 
 class RequestFailed(msgspec.Struct, tag="request_failed", array_like=True):

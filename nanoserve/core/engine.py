@@ -21,7 +21,7 @@ from nanoserve.core.models.base import CausalLM
 from nanoserve.core.parallel import TensorParallel
 from nanoserve.core.request import Request
 from nanoserve.core.sampling_batch import seeded_generator
-from nanoserve.core.scheduler import Scheduler
+from nanoserve.core.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
 
@@ -70,6 +70,7 @@ class Engine:
             self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), kv_manager)
+        self.last_schedule: SchedulerOutput | None = None  # what the last step ran (timelines)
         self.grammars = fast_paths.grammar_backend(
             self.model_path, self.vocab_size, self.eos_token_ids
         )
@@ -144,7 +145,7 @@ class Engine:
 
     def step(self) -> list[RequestDelta]:
         """Schedule, execute, update: one forward pass over the running batch."""
-        scheduled = self.scheduler.schedule()
+        scheduled = self.last_schedule = self.scheduler.schedule()
         if scheduled.is_empty:
             self._wait_for_a_grammar()
             return []

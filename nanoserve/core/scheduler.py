@@ -41,7 +41,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # drafts included
     requests: list[Request] = field(default_factory=list)  # same order as the dict
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
-    num_preempted: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
     # Requests the engine could not run (their grammar failed to build), and why.
     failed: list[tuple[Request, str]] = field(default_factory=list)
 
@@ -91,7 +91,7 @@ class Scheduler:
         """This step's work: running requests first, then waiting ones while there is room."""
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if out.num_preempted == 0:  # a step that had to preempt admits nobody new
+        if not out.preempted_ids:  # a step that had to preempt admits nobody new
             self._schedule_waiting(out, budget)
         return out
 
@@ -179,7 +179,7 @@ class Scheduler:
         while not self.kv.can_allocate(request, num_new, []):
             victim = self.running[-1]
             self._preempt(victim)
-            out.num_preempted += 1
+            out.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
         return True

@@ -8,6 +8,8 @@ admin.py                /health /ping /load /is_sleeping /version /metrics /v1/m
 openai/completions.py   /v1/completions
 openai/chat.py          /v1/chat/completions
 openai/responses.py     /v1/responses, GET and DELETE /v1/responses/{id}
+request_timeline.py     /v1/requests/{id}/timeline
+playground/             / and the page's files; /v1/playground/peers/... (unless disabled)
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from transformers import PreTrainedTokenizerBase
 
 from nanoserve import __version__
 from nanoserve.client.engine_client import EngineClient
-from nanoserve.server import admin
+from nanoserve.client.request_timeline import RequestTimelines
+from nanoserve.server import admin, request_timeline
 from nanoserve.server.auth import ApiKeyMiddleware
 from nanoserve.server.config import ServerConfig
 from nanoserve.server.cors import CorsMiddleware
@@ -29,6 +32,7 @@ from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import chat, completions, responses
 from nanoserve.server.openai.response_store import ResponseStore
 from nanoserve.server.openai.served_model import ServedModel
+from nanoserve.server.playground import page, peers
 from nanoserve.server.server_load import ServerLoad, ServerLoadMiddleware
 from nanoserve.server.tokenizer_pool import TokenizerPool
 
@@ -48,6 +52,8 @@ def create_app(
     metrics = ServerMetrics(config.served_model_names[0], client.num_engines)
     pool = TokenizerPool(tokenizer)
     model = ServedModel(config, client, pool, metrics)
+    if config.enable_request_timeline or config.enable_playground:
+        client.timelines = RequestTimelines()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -74,6 +80,10 @@ def create_app(
     app.include_router(completions.router(model))
     app.include_router(chat.router(model))
     app.include_router(responses.router(model, ResponseStore()))
+    app.include_router(request_timeline.router(model))
+    if config.enable_playground:
+        app.include_router(page.router(config))
+        app.include_router(peers.router(config))
     add_middleware(app, config, load)
     return app
 

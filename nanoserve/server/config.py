@@ -35,6 +35,13 @@ class ServerConfig:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     enable_server_load_tracking: bool = False  # /load counts requests in generation routes
+    # Request timelines (GET /v1/requests/{id}/timeline): of every request with this, else
+    # only of those that ask (the playground's header), while the playground is on.
+    enable_request_timeline: bool = False
+    enable_playground: bool = True  # the page at /
+    # Other OpenAI-compatible servers the playground races against: (name, base URL) pairs,
+    # reached through this server (/v1/playground/peers/{name}/...).
+    playground_peers: tuple[tuple[str, str], ...] = ()
     enable_auto_tool_choice: bool = False
     # Sampling fields a request leaves unset take these (the model's generation_config.json
     # under --generation-config auto; see checkpoint.load_generation_defaults), then ours.
@@ -60,6 +67,27 @@ class ServerConfig:
             values = getattr(self, name)
             if not all(isinstance(value, str) for value in values):
                 raise ValueError(f"{name} must be a list of strings, got {list(values)!r}")
+        check_playground_peers(self.playground_peers)
         for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+
+PEER_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def check_playground_peers(peers: tuple[tuple[str, str], ...]) -> None:
+    """Each peer: a name of letters, digits, '-', '_' or '.', used once, and an http(s) URL."""
+    names = [name for name, _ in peers]
+    for name, url in peers:
+        if not name or not set(name) <= PEER_NAME_CHARS or name == "nanoserve":
+            raise ValueError(
+                f"a playground peer's name is letters, digits, '-', '_' or '.' (and not "
+                f"'nanoserve', this server's column), got {name!r}"
+            )
+        if names.count(name) > 1:
+            raise ValueError(f"the playground peer {name!r} is named twice")
+        if not url.startswith(("http://", "https://")) or len(url) < 10:
+            raise ValueError(
+                f"the playground peer {name!r} needs an http:// or https:// URL, got {url!r}"
+            )

@@ -22,8 +22,9 @@ class CorsMiddleware(CORSMiddleware):
         if response.status_code != 400:
             return response
         refused = bytes(response.body).decode().removeprefix("Disallowed CORS ")
+        verb = "are" if refused == "headers" else "is"
         message = (
-            f"CORS preflight refused: its {refused} is not allowed here (the server's "
+            f"CORS preflight refused: its {refused} {verb} not allowed here (the server's "
             "--allowed-origins, --allowed-methods and --allowed-headers say what is)"
         )
         headers = {k: v for k, v in response.headers.items() if k.lower() not in _BODY_HEADERS}

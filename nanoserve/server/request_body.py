@@ -64,7 +64,8 @@ def check_media_type(content_type: str | None) -> None:
     )
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body, at most `max_bytes` (413 past it)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes:
         raise APIError(
@@ -143,7 +144,7 @@ async def read_json_body(request: Request, model: type[T], config: ServerConfig)
     check_media_type(request.headers.get("content-type"))
     timeout_s = config.body_timeout_s
     try:
-        body = await asyncio.wait_for(_read_body(request, config.max_body_bytes), timeout_s)
+        body = await asyncio.wait_for(read_body(request, config.max_body_bytes), timeout_s)
     except asyncio.TimeoutError:
         raise APIError(
             f"the request body did not arrive within {timeout_s:g} s (--body-timeout)",

@@ -8,6 +8,7 @@ loop) and in tests (lists).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from nanoserve.common.protocol import (
     StepOutputs,
 )
 from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.worker.step_records import Schedule, StepRecorder
 
 IDLE_POLL_S = 0.5  # how long an idle loop blocks on its inbox before checking `should_exit`
 
@@ -36,6 +38,10 @@ class ServedEngine(Protocol):
     load_time_s: float  # reading the weights
     prepare_time_s: float  # installing linear methods and layer ops
     kv_sizing_time_s: float  # sizing and allocating the KV pool, building the step runners
+
+    @property
+    def last_schedule(self) -> Schedule | None:
+        """What the last step ran (read only for requests that record a timeline)."""
 
     def add_request(
         self,
@@ -66,8 +72,10 @@ def serve_engine(
 
     `recv(timeout_s)` returns the next ToWorker message or None (0: do not wait). After a batch
     of messages changed something (a new request, an abort) the engine's stats are sent even
-    when no step runs, so the front sees freed KV blocks at once.
+    when no step runs, so the front sees freed KV blocks at once. A step that ran a request
+    recording its timeline carries its `StepRecord`.
     """
+    recorder = StepRecorder()
     while not should_exit():
         is_idle = not engine.has_unfinished_requests()
         is_changed = False
@@ -79,16 +87,24 @@ def serve_engine(
                 break
             if isinstance(message, Shutdown):
                 return
-            _handle(engine, message, send)
+            _handle(engine, message, send, recorder)
             is_changed = True
         if engine.has_unfinished_requests():
+            started = time.monotonic()
             deltas = engine.step()
-            send(StepOutputs(deltas=deltas, stats=engine.stats()))
+            schedule = engine.last_schedule if recorder.recorded_ids else None
+            step = recorder.record(schedule, started, time.monotonic(), deltas)
+            send(StepOutputs(deltas=deltas, stats=engine.stats(), step=step))
         elif is_changed:
             send(StepOutputs(deltas=[], stats=engine.stats()))
 
 
-def _handle(engine: ServedEngine, message: object, send: Callable[[msgspec.Struct], None]) -> None:
+def _handle(
+    engine: ServedEngine,
+    message: object,
+    send: Callable[[msgspec.Struct], None],
+    recorder: StepRecorder,
+) -> None:
     if isinstance(message, AddRequest):
         try:
             engine.add_request(
@@ -96,8 +112,12 @@ def _handle(engine: ServedEngine, message: object, send: Callable[[msgspec.Struc
             )
         except ValueError as e:  # the engine refused this request; the loop goes on
             send(RequestFailed(request_id=message.request_id, message=str(e)))
+            return
+        if message.record_timeline:
+            recorder.add(message.request_id)
     elif isinstance(message, AbortRequests):
         engine.abort(message.request_ids)
+        recorder.discard(message.request_ids)
     else:
         raise TypeError(f"unexpected message for the engine loop: {type(message).__name__}")
 

@@ -86,7 +86,7 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_it_later():
     assert scheduler.kv.num_free_blocks == 0
     run_step(scheduler)  # both reach 8 tokens: still fit
     out, _ = run_step(scheduler)  # old needs a 3rd block: the newest is preempted
-    assert out.num_preempted == 1
+    assert out.preempted_ids == ["new"]
     assert new.status == RequestStatus.PREEMPTED and new.block_ids == []
     assert list(scheduler.waiting) == [new]
     assert scheduler.num_preemptions_total == 1

@@ -106,6 +106,31 @@ def test_allowed_origins_and_credentials(narrow_server: InProcessServer) -> None
     assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
 
 
+@pytest.fixture(scope="module")
+def methods_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    flags = ("--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["content-type"]')
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with InProcessServer(tiny_model, log, *flags) as server:
+        yield server
+
+
+def test_allowed_methods_and_headers(methods_server: InProcessServer) -> None:
+    url = f"{methods_server.url}/v1/completions"
+    asked = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+    allowed = httpx.options(
+        url, headers={**asked, "Access-Control-Request-Headers": "content-type"}
+    )
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-methods"] == "GET, POST"
+    assert allowed.headers["access-control-allow-origin"] == "*"
+    no_method = httpx.options(url, headers={**asked, "Access-Control-Request-Method": "DELETE"})
+    assert no_method.status_code == 400 and "its method is not allowed" in no_method.text
+    no_header = httpx.options(url, headers={**asked, "Access-Control-Request-Headers": "x-key"})
+    assert no_header.status_code == 400 and "its headers are not allowed" in no_header.text
+    simple = httpx.get(f"{methods_server.url}/v1/models", headers={"Origin": ORIGIN})
+    assert simple.status_code == 200 and simple.headers["access-control-allow-origin"] == "*"
+
+
 @pytest.mark.parametrize("value", ["*", '{"a": 1}', '["a", 2]', "[oops"])
 def test_a_cors_flag_takes_a_json_list_of_strings(value: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

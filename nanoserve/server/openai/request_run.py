@@ -31,6 +31,7 @@ from nanoserve.server.openai.api_models import StreamOptions, UsageInfo
 from nanoserve.server.openai.checks import check_capacity, check_logprobs_size
 from nanoserve.server.openai.constraints import Constraint
 from nanoserve.server.openai.served_model import ServedModel
+from nanoserve.server.request_timeline import wants_timeline
 from nanoserve.server.sse import EventStreamResponse, NamedEvent, sse_stream
 from nanoserve.text.output_processor import ChoiceState, ChoiceUpdate, OutputProcessor
 
@@ -53,6 +54,7 @@ async def start_run(
     check_capacity(model, sum(num_choices), "n" if max(num_choices) > 1 else "prompt")
     processor = OutputProcessor(model.tokenizer, model.token_text)
     run = RequestRun(model.client, model.metrics, processor, f"{id_prefix}-{uuid.uuid4().hex}")
+    run.records_timeline = wants_timeline(model.config, request.headers)
     try:
         for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
             run.add_prompt(prompt, prompt_params, index)
@@ -91,14 +93,33 @@ class RequestRun:
         self._is_closed = False
         self._first: RequestDelta | None = None  # taken by `wait_for_first_delta`, not applied
         self._times: dict[str, RequestTimes] = {}  # engine request id -> what metrics need
+        self.records_timeline = False  # its engine requests record their timelines
 
     def add_prompt(self, prompt_token_ids: list[int], params: SamplingParams, index: int) -> None:
         """Send the engine one request per choice of prompt `index`."""
         requests = self.processor.add_request(self.request_id, prompt_token_ids, params, index)
+        timelines = self.client.timelines if self.records_timeline else None
         for request in requests:
-            engine = self.client.add_request(
-                request.request_id, request.prompt_token_ids, request.params, self.stream
-            )
+            if timelines is not None:
+                timelines.add(
+                    self.request_id,
+                    request.request_id,
+                    len(prompt_token_ids),
+                    self.arrival_time,
+                    time.monotonic(),
+                )
+            try:
+                engine = self.client.add_request(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.params,
+                    self.stream,
+                    record_timeline=timelines is not None,
+                )
+            except ENGINE_ERRORS:
+                if timelines is not None:
+                    timelines.on_finished(request.request_id, "error", time.monotonic())
+                raise
             self._times[request.request_id] = RequestTimes(
                 engine, len(prompt_token_ids), params.n, params.max_tokens, self.arrival_time
             )
@@ -142,6 +163,8 @@ class RequestRun:
         if update is None:
             return None  # its choice ended at a stop string; the abort crossed this delta
         if update.needs_abort:  # a stop string ended the text; the engine does not know it
+            if self.client.timelines is not None:  # its timeline ends as its answer does
+                self.client.timelines.on_finished(delta.request_id, "stop", time.monotonic())
             self.client.abort([delta.request_id])
         self._observe(update, delta)
         return update
