@@ -24,6 +24,8 @@ from nanoserve.core.model_runner import StepRunner
 from nanoserve.core.models.base import CausalLM
 from nanoserve.core.parallel import TensorParallel
 from nanoserve.distributed.step_broadcast import BroadcastingRunner, StepBroadcaster, follow
+from nanoserve.moe.models import moe_model_classes
+from nanoserve.moe.setup import install_moe_methods
 from nanoserve.quantization import fp8
 from nanoserve.quantization.int8 import install_int8_linears
 
@@ -52,6 +54,7 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
 
     def prepare_model(model: CausalLM) -> None:
         quantize_linears(model, config, device)  # then the platform packs what is still plain
+        install_moe_methods(model, config, device)
         platform_prepare(model)
 
     paths = dataclasses.replace(
@@ -59,6 +62,7 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
         prepare_model=prepare_model,
         weight_reader=fp8.weight_reader_for,
         grammar_backend=grammar_backend,
+        model_classes=moe_model_classes(config.enable_expert_parallel),
     )
     if tp.size > 1 and tp.is_first:
         paths = with_step_broadcast(paths, StepBroadcaster(tp, device))

@@ -13,12 +13,13 @@ every fast path is tested against (`--enforce-eager` keeps as much of it as the 
     step_runners       how a step's forward pass is launched (`model_runner.py`): CUDA graphs,
                        compiled decode, tensor-parallel broadcast, then the eager runner
     grammar_backend    structured output (`grammar.py`)
+    model_classes      architectures beyond the core's (`models/registry.py`): MoE models
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanoserve.common.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -50,3 +51,4 @@ class FastPaths:
     grammar_backend: Callable[[Path, int, frozenset[int]], GrammarBackend] = (
         lambda tokenizer_dir, vocab_size, eos: NoGrammarBackend()
     )
+    model_classes: dict[str, Callable[..., CausalLM]] = field(default_factory=dict)  # MoE
