@@ -159,6 +159,13 @@ class SparseMoeBlock(nn.Module):
                 targets[f"{expert}.{names.up}.weight"] = (up, rows)
             else:
                 targets[f"{expert}.{names.down}.weight"] = (param[local], cols)
+        # Expert parallelism: the other ranks' experts are read as zero rows (nothing).
+        nothing = (param.new_empty(0, param.shape[2]), CheckpointSlice(0, 0, 0))
+        others = set(range(self.num_experts)) - set(range(shard.first, shard.first + shard.count))
+        for other in sorted(others):
+            projections = (names.gate, names.up) if param_name == "w13" else (names.down,)
+            for projection in projections:
+                targets[f"{prefix}.experts.{other}.{projection}.weight"] = nothing
         return targets
 
 
