@@ -8,7 +8,7 @@ import torch
 from nanoserve.common.config import ModelConfig, MoeConfig
 from nanoserve.core.parallel import TensorParallel
 from nanoserve.moe.layer import GROUPED, QWEN3_MOE_NAMES, MoeMethod, SparseMoeBlock
-from nanoserve.moe.routing import ExpertGroups
+from nanoserve.moe.routing import ExpertGroups, group_by_expert, route
 
 
 def tiny_config(num_experts: int = 6, top_k: int = 2) -> ModelConfig:
@@ -88,5 +88,9 @@ def test_a_rank_whose_experts_no_token_picked_adds_nothing():
     assert block.w13.shape[0] == 3
     with torch.no_grad():
         block.gate[3:] = -100.0
-        out = block(torch.randn(5, 32).abs())  # positive rows: experts 3-5 score lowest
+        x = torch.randn(5, 32).abs()  # positive rows: experts 3-5 score lowest
+        weights, expert_ids = route(x @ block.gate.T, block.top_k, block.renormalize)
+        groups = group_by_expert(expert_ids, weights, block.shard.first, block.shard.count)
+        out = block.method.apply(block, x, groups)  # this rank's partial sum, before all-reduce
+    assert groups.spans() == []
     assert torch.equal(out, torch.zeros(5, 32))
