@@ -29,6 +29,7 @@ ENGINE_SIDE = (
     "nanoserve.quantization",
     "nanoserve.distributed",
     "nanoserve.structured_output",
+    "nanoserve.moe",
     "nanoserve.engine_setup",
     "nanoserve.llm",
 )

@@ -292,11 +292,12 @@ def _moe(raw: dict[str, Any], architecture: str, config_path: Path) -> MoeConfig
     if not num_experts or "num_experts_per_tok" not in raw:
         raise ModelLoadError(f"{config_path} names no experts (num_experts, num_experts_per_tok)")
     is_mixtral = architecture == "MixtralForCausalLM"
+    width_key = "intermediate_size" if is_mixtral else "moe_intermediate_size"
     try:
         return MoeConfig(
             num_experts=num_experts,
             num_experts_per_tok=raw["num_experts_per_tok"],
-            moe_intermediate_size=raw["intermediate_size" if is_mixtral else "moe_intermediate_size"],
+            moe_intermediate_size=raw[width_key],
             norm_topk_prob=is_mixtral or bool(raw.get("norm_topk_prob", False)),
             decoder_sparse_step=1 if is_mixtral else raw.get("decoder_sparse_step", 1),
             mlp_only_layers=() if is_mixtral else tuple(raw.get("mlp_only_layers") or ()),

@@ -7,7 +7,7 @@
                  experts in place of the MLP; expert load counts
     cpu.py       CpuMoeMethod: decode steps through the C++ grouped GEMV (selected experts only)
     int8.py      Int8MoeMethod: per-channel int8 experts (--quantization int8)
-    triton.py    TritonMoeMethod: the fused-MoE grouped GEMM kernel for GPUs
+    setup.py     which method this machine and these settings get
 
 The core knows none of this: `engine_setup.py` registers the model classes
 (`FastPaths.model_classes`) and installs the methods (`FastPaths.prepare_model`).

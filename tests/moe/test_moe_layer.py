@@ -24,7 +24,7 @@ def tiny_config(num_experts: int = 6, top_k: int = 2) -> ModelConfig:
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
-        moe=MoeConfig(num_experts, top_k, moe_intermediate_size=16, norm_topk_prob=False),
+        moe=MoeConfig(num_experts, top_k, moe_intermediate_size=32, norm_topk_prob=False),
     )
 
 

@@ -55,7 +55,10 @@ def run_batch(loaded: LoadedModel, prompts: list[list[int]], num_decodes: int) -
         config.head_dim,
     )
     for layer in model.attention_layers():
-        layer.bind(torch.zeros(shape), torch.zeros(shape), ReferenceAttention())
+        dtype = next(model.parameters()).dtype
+        layer.bind(
+            torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), ReferenceAttention()
+        )
     tables = [
         list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
         for i in range(len(prompts))
