@@ -96,9 +96,11 @@ class GroupedMoeMethod(MoeMethod):
 
 def combine(x: torch.Tensor, groups: ExpertGroups, expert_out: torch.Tensor) -> torch.Tensor:
     """Each token's experts' outputs [A, H] summed by their weights -> [T, H] (zeros for a
-    token none of this rank's experts serve)."""
-    weighted = expert_out * groups.weights.to(expert_out.dtype)[:, None]  # [A, H]
-    return torch.zeros_like(x).index_add_(0, groups.token_index, weighted)
+    token none of this rank's experts serve). The sum is float32 (PyTorch's bf16 index_add_
+    is a slow serial loop), rounded once."""
+    weighted = expert_out.float() * groups.weights[:, None]  # [A, H]
+    summed = x.new_zeros(x.shape, dtype=torch.float32).index_add_(0, groups.token_index, weighted)
+    return summed.to(x.dtype)
 
 
 GROUPED = GroupedMoeMethod()
