@@ -8,7 +8,9 @@ files for every arm) it measures, in order: the device's copy bandwidth; nanoser
 (single-stream decode and its % of the weight-streaming bound, TTFT at 128 and 2,048 prompt
 tokens, throughput at 8, 32 and 128 concurrent requests, CUDA-graph capture time);
 transformers `generate` (one request at a time, and padded batches of 8 and 32); then
-`nanoserve serve` with 32 concurrent streaming clients. After every stage it rewrites
+a Qwen3-30B-A3B-shaped MoE model (the MoE row: dummy bf16 weights, all 48 layers on a GPU, a
+shrunk cousin in the CPU rehearsal); then `nanoserve serve` with 32 concurrent streaming
+clients. After every stage it rewrites
 `gpu-<date>.json` and `gpu-table.md` in --out, so a run cut short keeps what it measured.
 """
 
@@ -122,6 +124,75 @@ def bench_nanoserve(model_dir: Path, device: torch.device, seed: int) -> dict:
         run = run_engine(engine, random_prompts(concurrency, PROMPT_LEN, seed + 10), OUTPUT_LEN)
         result[f"throughput_tok_s_{concurrency}"] = concurrency * OUTPUT_LEN / run["total_s"]
         log(f"nanoserve {concurrency} concurrent: {result[f'throughput_tok_s_{concurrency}']:.0f}")
+    del engine
+    return result
+
+
+# -- a mixture-of-experts model, in-process ---------------------------------------------------
+
+MOE_PRESET = "Qwen/Qwen3-30B-A3B"
+# The rehearsal's MoE shape (a CPU runs it): Qwen3-30B-A3B's structure, every size shrunk.
+TINY_MOE = {
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 16,
+    "moe_intermediate_size": 128,
+    "num_experts_per_tok": 4,
+    "vocab_size": 512,
+}
+
+
+def moe_model_dir(root: Path, tiny: bool) -> Path:
+    """The Qwen3-30B-A3B preset's dummy checkpoint (all 48 layers), or its tiny cousin."""
+    from nanoserve.common.checkpoint import make_dummy_model_dir
+    from nanoserve.text.byte_tokenizer import save_byte_level_tokenizer
+
+    source = make_dummy_model_dir(MOE_PRESET, cache_dir=root)
+    if not tiny:
+        return source
+    target = root / "tiny-moe"
+    target.mkdir(parents=True, exist_ok=True)
+    config = {**json.loads((source / "config.json").read_text()), **TINY_MOE}
+    (target / "config.json").write_text(json.dumps(config))
+    save_byte_level_tokenizer(target, model_max_length=4096, vocab_size=TINY_MOE["vocab_size"])
+    return target
+
+
+def bench_moe(model_dir: Path, device: torch.device, seed: int, bandwidth_gb_s: float) -> dict:
+    """Qwen3-30B-A3B (dummy bf16 weights): start-up, single-stream decode against the bound
+    of the bytes a token reads (attention, router, the 8 chosen experts, the LM head), 32
+    concurrent requests, CUDA-graph capture."""
+    from benchmarks.moe_decode import active_bytes_per_token
+
+    started = time.perf_counter()
+    engine = build_engine(
+        EngineConfig(
+            model=str(model_dir),
+            load_format="dummy",
+            dtype="bfloat16",
+            device=device.type,
+            max_model_len=4096,
+            max_num_seqs=32,
+            gpu_memory_utilization=0.8,
+        )
+    )
+    engine.warm_up()
+    result: dict = {"startup_s": time.perf_counter() - started}
+    graphs = [r for r in engine.runner.step_runners if hasattr(r, "capture_time_s")]
+    result["graph_capture_s"] = graphs[0].capture_time_s if graphs else 0.0
+    result["moe_method"] = type(engine.model.moe_blocks()[0].method).__name__
+    single = run_engine(engine, random_prompts(1, PROMPT_LEN, seed), SINGLE_OUTPUT_LEN)
+    decode_s = single["total_s"] - single["first_token_s"]
+    result["single_stream_tok_s"] = (SINGLE_OUTPUT_LEN - 1) / decode_s
+    result["active_bytes"] = active_bytes_per_token(engine.model)
+    bound = bandwidth_gb_s * 1e9 / result["active_bytes"]
+    result["share_of_bound"] = result["single_stream_tok_s"] / bound
+    run = run_engine(engine, random_prompts(32, PROMPT_LEN, seed + 10), OUTPUT_LEN)
+    result["throughput_tok_s_32"] = 32 * OUTPUT_LEN / run["total_s"]
+    log(f"MoE: {result['single_stream_tok_s']:.0f} tok/s one stream ({result['moe_method']})")
     del engine
     return result
 
@@ -317,6 +388,18 @@ def markdown(doc: dict) -> str:
             f"{serve['ttft_ms']['p50']:.1f} ms, {serve['num_errors']} errors, "
             f"ready in {serve['ready_s']:.1f} s",
         ]
+    if "moe" in doc:
+        moe = doc["moe"]
+        lines += [
+            "",
+            f"MoE row, {MOE_PRESET} shape (dummy bf16, {moe['moe_method']}): "
+            f"{moe['single_stream_tok_s']:,.0f} tok/s one stream "
+            f"({moe['share_of_bound']:.0%} of the bound of {moe['active_bytes'] / 1e9:.2f} GB "
+            f"read per token), {moe['throughput_tok_s_32']:,.0f} tok/s at 32 concurrent, "
+            f"start-up {moe['startup_s']:.0f} s, CUDA-graph capture {moe['graph_capture_s']:.1f} s",
+        ]
+    if "moe_error" in doc:
+        lines += ["", f"MoE row: the stage failed ({doc['moe_error']})"]
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     lines += [
         f"| {goal} | {measured} | {'yes' if met else 'no'} |" for goal, measured, met in goals(doc)
@@ -342,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/nanoserve-gpu-bench"))
     parser.add_argument("--out", type=Path, default=Path("gpu-results"))
-    parser.add_argument("--skip", default="", help="comma list of stages to skip: hf,serve")
+    parser.add_argument("--skip", default="", help="comma list of stages to skip: hf,moe,serve")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -374,12 +457,22 @@ def main(argv: list[str] | None = None) -> int:
             doc["transformers"].pop("single_stream_tokens"),
         )
         doc["greedy_match"] = greedy_match(*tokens)
+    if "moe" not in args.skip:
+        log("nanoserve, a mixture-of-experts model ...")
+        moe_dir = moe_model_dir(args.model_dir / "moe", tiny=args.preset == "tiny")
+        try:  # a failure is reported, and the server stage still runs
+            doc["moe"] = bench_moe(moe_dir, device, args.seed, doc["bandwidth_gb_s"])
+        except Exception as error:  # noqa: BLE001 (any failure of the stage, written down)
+            doc["moe_error"] = f"{type(error).__name__}: {error}"
+            log(f"the MoE stage failed: {doc['moe_error']}")
+        gc.collect()
+        write(doc, args.out)
     if "serve" not in args.skip:
         log("nanoserve serve ...")
         doc["serve"] = bench_server(model_dir, device, args.out)
     write(doc, args.out)
     print(markdown(doc))
-    return 0
+    return 1 if "moe_error" in doc else 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 
 from nanoserve.moe.layer import GROUPED, MoeMethod, SparseMoeBlock, combine
-from nanoserve.moe.routing import ExpertGroups
 
 # Most tokens a step may have for the GEMV: beyond this the product is compute-bound.
 GEMV_MAX_TOKENS = 4
@@ -30,10 +29,11 @@ class CpuMoeMethod(MoeMethod):
     def __init__(self, grouped_gemv: GroupedGemv) -> None:
         self.grouped_gemv = grouped_gemv
 
-    def apply(self, layer: SparseMoeBlock, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    def apply(self, layer: SparseMoeBlock, x, weights, expert_ids) -> torch.Tensor:
         is_decode = x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_MAX_TOKENS
         if not is_decode or layer.w13.dtype != torch.bfloat16:
-            return GROUPED.apply(layer, x, groups)
+            return GROUPED.apply(layer, x, weights, expert_ids)
+        groups = layer.group(weights, expert_ids)
         tokens = x[groups.token_index]  # [A, H]: each pair's token, grouped by expert
         ids, offsets = groups.expert_ids, groups.offsets
         gate_up = self.grouped_gemv(tokens, layer.w13, ids, offsets)  # [A, 2I]

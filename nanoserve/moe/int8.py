@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.moe.layer import MoeMethod, SparseMoeBlock, combine
-from nanoserve.moe.routing import ExpertGroups
 from nanoserve.quantization.int8 import PAIR_CHUNK, pair_rows, quantize_int8, unpair_rows
 
 GEMV_MAX_TOKENS = 8  # as the int8 linears' GEMV: each weight pair read once for all rows
@@ -57,7 +56,8 @@ class Int8MoeMethod(MoeMethod):
         layer.int8_w2 = QuantizedExperts(layer.w2, can_pair)  # type: ignore[assignment]
         layer.w13 = layer.w2 = None  # type: ignore[assignment]  # the int8 copies replace them
 
-    def apply(self, layer: SparseMoeBlock, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    def apply(self, layer: SparseMoeBlock, x, weights, expert_ids) -> torch.Tensor:
+        groups = layer.group(weights, expert_ids)
         w13: QuantizedExperts = layer.int8_w13  # type: ignore[assignment]
         w2: QuantizedExperts = layer.int8_w2  # type: ignore[assignment]
         tokens = x[groups.token_index]  # [A, H]

@@ -77,15 +77,20 @@ class MoeMethod:
         """Reshape, pack or quantize `layer.w13` and `layer.w2` here."""
 
     def apply(
-        self, layer: SparseMoeBlock, x: torch.Tensor, groups: ExpertGroups
-    ) -> torch.Tensor:  # [T, H] -> [T, H]: this rank's weighted sum of its experts' outputs
+        self,
+        layer: SparseMoeBlock,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, k] float32: each token's routing weights
+        expert_ids: torch.Tensor,  # [T, k] int64: each token's experts (global ids)
+    ) -> torch.Tensor:  # [T, H]: this rank's weighted sum of its experts' outputs
         raise NotImplementedError
 
 
 class GroupedMoeMethod(MoeMethod):
     """Plain PyTorch: each expert with tokens runs once over all of them (two matmuls)."""
 
-    def apply(self, layer: SparseMoeBlock, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    def apply(self, layer: SparseMoeBlock, x, weights, expert_ids) -> torch.Tensor:
+        groups = layer.group(weights, expert_ids)
         expert_out = x.new_empty(len(groups.token_index), x.shape[1])  # [A, H]
         tokens = x[groups.token_index]  # [A, H]: each pair's token, grouped by expert
         for expert, start, end in groups.spans():
@@ -132,8 +137,11 @@ class SparseMoeBlock(nn.Module):
         router_logits = F.linear(x, self.gate)  # [T, E]
         weights, expert_ids = route(router_logits, self.top_k, self.renormalize)  # [T, k] each
         self.count_load(expert_ids)
-        groups = group_by_expert(expert_ids, weights, self.shard.first, self.shard.count)
-        return self.tp.all_reduce(self.method.apply(self, x, groups))
+        return self.tp.all_reduce(self.method.apply(self, x, weights, expert_ids))
+
+    def group(self, weights: torch.Tensor, expert_ids: torch.Tensor) -> ExpertGroups:
+        """The step's (token, expert) pairs of this rank's experts, grouped by expert."""
+        return group_by_expert(expert_ids, weights, self.shard.first, self.shard.count)
 
     def count_load(self, expert_ids: torch.Tensor) -> None:
         """Add this step's choices to `expert_load` (a fixed [E] counter: bounded memory)."""

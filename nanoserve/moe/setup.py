@@ -42,7 +42,19 @@ def moe_method_for(
 
         kernels = load_cpu_kernels()
     if config.quantization == "int8":
+        if device.type == "cuda" and not config.enforce_eager:
+            raise ValueError(
+                "int8 experts run by the grouped method, which CUDA graphs cannot hold: "
+                "use --enforce-eager with --quantization int8 on MoE models on CUDA"
+            )
         return Int8MoeMethod(kernels.moe_int8_gemv if kernels is not None else None)
+    if device.type == "cuda":
+        try:
+            from nanoserve.moe.triton_moe import TritonMoeMethod
+        except ImportError as error:  # no Triton: the grouped method, and no CUDA graphs
+            logger.warning("the fused-MoE Triton kernels are off: %s", error)
+            return None
+        return TritonMoeMethod()
     if kernels is not None and dtype == torch.bfloat16 and kernels.bf16_gemv_is_vectorized():
         return CpuMoeMethod(kernels.moe_bf16_gemv)
     return None

@@ -27,8 +27,8 @@ class Recording(MoeMethod):
 
         self.inner = CpuMoeMethod(gemv)
 
-    def apply(self, layer, x, groups):
-        return self.inner.apply(layer, x, groups)
+    def apply(self, layer, x, weights, expert_ids):
+        return self.inner.apply(layer, x, weights, expert_ids)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 4, 9])

@@ -8,7 +8,7 @@ import torch
 from nanoserve.common.config import ModelConfig, MoeConfig
 from nanoserve.core.parallel import TensorParallel
 from nanoserve.moe.layer import GROUPED, QWEN3_MOE_NAMES, MoeMethod, SparseMoeBlock
-from nanoserve.moe.routing import ExpertGroups, group_by_expert, route
+from nanoserve.moe.routing import route
 
 
 def tiny_config(num_experts: int = 6, top_k: int = 2) -> ModelConfig:
@@ -55,9 +55,9 @@ class CountingMethod(MoeMethod):
     def __init__(self) -> None:
         self.ran: list[int] = []
 
-    def apply(self, layer, x, groups: ExpertGroups) -> torch.Tensor:
-        self.ran += [expert for expert, _, _ in groups.spans()]
-        return GROUPED.apply(layer, x, groups)
+    def apply(self, layer, x, weights, expert_ids) -> torch.Tensor:
+        self.ran += [expert for expert, _, _ in layer.group(weights, expert_ids).spans()]
+        return GROUPED.apply(layer, x, weights, expert_ids)
 
 
 def test_grouped_method_equals_every_expert_densely():
@@ -90,7 +90,7 @@ def test_a_rank_whose_experts_no_token_picked_adds_nothing():
         block.gate[3:] = -100.0
         x = torch.randn(5, 32).abs()  # positive rows: experts 3-5 score lowest
         weights, expert_ids = route(x @ block.gate.T, block.top_k, block.renormalize)
-        groups = group_by_expert(expert_ids, weights, block.shard.first, block.shard.count)
-        out = block.method.apply(block, x, groups)  # this rank's partial sum, before all-reduce
+        groups = block.group(weights, expert_ids)
+        out = block.method.apply(block, x, weights, expert_ids)  # before the all-reduce
     assert groups.spans() == []
     assert torch.equal(out, torch.zeros(5, 32))
