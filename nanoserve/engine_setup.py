@@ -2,7 +2,8 @@
 
 This is the one module that knows every plug-in: the platform's fast paths (`platforms/cpu`,
 `platforms/cuda`), quantized linears (`quantization/`), structured output
-(`structured_output/`) and tensor parallelism (`distributed/`). It picks them once, at
+(`structured_output/`), tensor parallelism (`distributed/`) and the mixture-of-experts models
+and their methods (`moe/`). It picks them once, at
 start-up, and hands them to the core through its plug points (`core/fast_paths.py`); the core
 imports none of them. The offline `LLM`, the worker process and the tests build engines here.
 """

@@ -14,18 +14,42 @@ layer's MLP is then replaced by its `SparseMoeBlock`.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
 from nanoserve.common.config import ModelConfig
+from nanoserve.core.attention.metadata import AttentionMetadata
 from nanoserve.core.models.base import CausalLM
 from nanoserve.core.models.llama import LlamaForCausalLM
 from nanoserve.core.parallel import TensorParallel
 from nanoserve.moe.layer import MIXTRAL_NAMES, QWEN3_MOE_NAMES, ExpertNames, SparseMoeBlock
 
 logger = logging.getLogger("nanoserve.moe")
+
+
+LOG_INTERVAL_VARIABLE = "NANOSERVE_EXPERT_LOAD_LOG_S"  # seconds between lines; 0: none
+
+
+class ExpertLoadLog:
+    """Logs the expert load (`expert_load_summary`) at most once per `interval_s`, from eager
+    steps (a replayed CUDA graph still counts, but logs at the next eager step)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.last_s = time.monotonic()
+
+    def maybe_log(self, model: MoeForCausalLM, device: torch.device) -> None:
+        now = time.monotonic()
+        if self.interval_s <= 0 or now - self.last_s < self.interval_s:
+            return
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # reading the counts would wait on the device, which a capture forbids
+        self.last_s = now
+        logger.info("expert load (tokens per expert): %s", expert_load_summary(model.expert_load()))
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -39,9 +63,21 @@ class MoeForCausalLM(LlamaForCausalLM):
         if config.moe is None:
             raise ValueError(f"{config.architecture} needs the experts' settings (config.moe)")
         super().__init__(config, tp)
+        self.load_log = ExpertLoadLog(float(os.environ.get(LOG_INTERVAL_VARIABLE, "60")))
         for index, layer in enumerate(self.model.layers):
             if config.moe.is_sparse(index):
                 layer.mlp = SparseMoeBlock(config, self.tp, expert_parallel, self.expert_names)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn_meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,  # [S]
+    ) -> torch.Tensor:  # [T or S, hidden]
+        hidden = super().forward(input_ids, positions, attn_meta, output_rows)
+        self.load_log.maybe_log(self, hidden.device)
+        return hidden
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]

@@ -126,3 +126,14 @@ def test_expert_load_counts_every_choice_in_a_fixed_table(ours):
     assert after.shape == (num_sparse, moe.num_experts)
     assert ((after - before).sum(dim=1) == 12 * moe.num_experts_per_tok).all()
     assert "layer 0:" in expert_load_summary(after)
+
+
+def test_expert_load_is_logged_at_most_once_per_interval(ours, caplog, monkeypatch):
+    from nanoserve.moe.models import ExpertLoadLog
+
+    ours.model.load_log = ExpertLoadLog(interval_s=3600.0)
+    ours.model.load_log.last_s -= 3601.0  # an interval has passed
+    with caplog.at_level("INFO", logger="nanoserve.moe"):
+        run_batch(ours, [random_prompt(5, seed=1)], num_decodes=2)  # three forward passes
+    lines = [r.getMessage() for r in caplog.records if "expert load" in r.getMessage()]
+    assert len(lines) == 1 and "layer 0:" in lines[0]
