@@ -8,9 +8,9 @@ files for every arm) it measures, in order: the device's copy bandwidth; nanoser
 (single-stream decode and its % of the weight-streaming bound, TTFT at 128 and 2,048 prompt
 tokens, throughput at 8, 32 and 128 concurrent requests, CUDA-graph capture time);
 transformers `generate` (one request at a time, and padded batches of 8 and 32); then
-a Qwen3-30B-A3B-shaped MoE model (the MoE row: dummy bf16 weights, all 48 layers on a GPU, a
-shrunk cousin in the CPU rehearsal); then `nanoserve serve` with 32 concurrent streaming
-clients. After every stage it rewrites
+`nanoserve serve` with 32 concurrent streaming clients; last, a Qwen3-30B-A3B-shaped MoE model
+(the MoE row: dummy bf16 weights, all 48 layers on a GPU, a shrunk cousin in the CPU
+rehearsal). After every stage it rewrites
 `gpu-<date>.json` and `gpu-table.md` in --out, so a run cut short keeps what it measured.
 """
 
@@ -457,19 +457,20 @@ def main(argv: list[str] | None = None) -> int:
             doc["transformers"].pop("single_stream_tokens"),
         )
         doc["greedy_match"] = greedy_match(*tokens)
-    if "moe" not in args.skip:
+    if "serve" not in args.skip:
+        log("nanoserve serve ...")
+        doc["serve"] = bench_server(model_dir, device, args.out)
+        write(doc, args.out)
+    if "moe" not in args.skip:  # last: a stage cut short by the time limit loses only its row
         log("nanoserve, a mixture-of-experts model ...")
         moe_dir = moe_model_dir(args.model_dir / "moe", tiny=args.preset == "tiny")
-        try:  # a failure is reported, and the server stage still runs
+        try:  # a failure is written down: in the table, and as the exit code
             doc["moe"] = bench_moe(moe_dir, device, args.seed, doc["bandwidth_gb_s"])
         except Exception as error:  # noqa: BLE001 (any failure of the stage, written down)
             doc["moe_error"] = f"{type(error).__name__}: {error}"
             log(f"the MoE stage failed: {doc['moe_error']}")
         gc.collect()
         write(doc, args.out)
-    if "serve" not in args.skip:
-        log("nanoserve serve ...")
-        doc["serve"] = bench_server(model_dir, device, args.out)
     write(doc, args.out)
     print(markdown(doc))
     return 1 if "moe_error" in doc else 0
