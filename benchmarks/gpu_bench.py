@@ -10,7 +10,9 @@ tokens, throughput at 8, 32 and 128 concurrent requests, CUDA-graph capture time
 transformers `generate` (one request at a time, and padded batches of 8 and 32); speculative
 decoding (one stream of an editing-shaped prompt with no drafts, n-gram drafts and a draft
 model of the next smaller shape, k = 3, and a verify step's cost against a one-token step);
-then `nanoserve serve` with 32 concurrent streaming clients. After every stage it rewrites
+then `nanoserve serve` with 32 concurrent streaming clients; last, a Qwen3-30B-A3B-shaped MoE
+model (the MoE row: dummy bf16 weights, all 48 layers on a GPU, a shrunk cousin in the CPU
+rehearsal). After every stage it rewrites
 `gpu-<date>.json` and `gpu-table.md` in --out, so a run cut short keeps what it measured.
 """
 
@@ -194,6 +196,75 @@ def verify_cost_ratio(engine: Engine, seed: int) -> float:
             values.append(time.perf_counter() - started)
     engine.abort(["cost"])
     return sorted(times[NUM_SPECULATIVE_TOKENS])[5] / sorted(times[0])[5]
+
+
+# -- a mixture-of-experts model, in-process ---------------------------------------------------
+
+MOE_PRESET = "Qwen/Qwen3-30B-A3B"
+# The rehearsal's MoE shape (a CPU runs it): Qwen3-30B-A3B's structure, every size shrunk.
+TINY_MOE = {
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 16,
+    "moe_intermediate_size": 128,
+    "num_experts_per_tok": 4,
+    "vocab_size": 512,
+}
+
+
+def moe_model_dir(root: Path, tiny: bool) -> Path:
+    """The Qwen3-30B-A3B preset's dummy checkpoint (all 48 layers), or its tiny cousin."""
+    from nanoserve.common.checkpoint import make_dummy_model_dir
+    from nanoserve.text.byte_tokenizer import save_byte_level_tokenizer
+
+    source = make_dummy_model_dir(MOE_PRESET, cache_dir=root)
+    if not tiny:
+        return source
+    target = root / "tiny-moe"
+    target.mkdir(parents=True, exist_ok=True)
+    config = {**json.loads((source / "config.json").read_text()), **TINY_MOE}
+    (target / "config.json").write_text(json.dumps(config))
+    save_byte_level_tokenizer(target, model_max_length=4096, vocab_size=TINY_MOE["vocab_size"])
+    return target
+
+
+def bench_moe(model_dir: Path, device: torch.device, seed: int, bandwidth_gb_s: float) -> dict:
+    """Qwen3-30B-A3B (dummy bf16 weights): start-up, single-stream decode against the bound
+    of the bytes a token reads (attention, router, the 8 chosen experts, the LM head), 32
+    concurrent requests, CUDA-graph capture."""
+    from benchmarks.moe_decode import active_bytes_per_token
+
+    started = time.perf_counter()
+    engine = build_engine(
+        EngineConfig(
+            model=str(model_dir),
+            load_format="dummy",
+            dtype="bfloat16",
+            device=device.type,
+            max_model_len=4096,
+            max_num_seqs=32,
+            gpu_memory_utilization=0.8,
+        )
+    )
+    engine.warm_up()
+    result: dict = {"startup_s": time.perf_counter() - started}
+    graphs = [r for r in engine.runner.step_runners if hasattr(r, "capture_time_s")]
+    result["graph_capture_s"] = graphs[0].capture_time_s if graphs else 0.0
+    result["moe_method"] = type(engine.model.moe_blocks()[0].method).__name__
+    single = run_engine(engine, random_prompts(1, PROMPT_LEN, seed), SINGLE_OUTPUT_LEN)
+    decode_s = single["total_s"] - single["first_token_s"]
+    result["single_stream_tok_s"] = (SINGLE_OUTPUT_LEN - 1) / decode_s
+    result["active_bytes"] = active_bytes_per_token(engine.model)
+    bound = bandwidth_gb_s * 1e9 / result["active_bytes"]
+    result["share_of_bound"] = result["single_stream_tok_s"] / bound
+    run = run_engine(engine, random_prompts(32, PROMPT_LEN, seed + 10), OUTPUT_LEN)
+    result["throughput_tok_s_32"] = 32 * OUTPUT_LEN / run["total_s"]
+    log(f"MoE: {result['single_stream_tok_s']:.0f} tok/s one stream ({result['moe_method']})")
+    del engine
+    return result
 
 
 # -- transformers generate ------------------------------------------------------------------
@@ -389,6 +460,18 @@ def markdown(doc: dict) -> str:
         ]
     if "speculative" in doc:
         lines += ["", *speculative_rows(doc["speculative"])]
+    if "moe" in doc:
+        moe = doc["moe"]
+        lines += [
+            "",
+            f"MoE row, {MOE_PRESET} shape (dummy bf16, {moe['moe_method']}): "
+            f"{moe['single_stream_tok_s']:,.0f} tok/s one stream "
+            f"({moe['share_of_bound']:.0%} of the bound of {moe['active_bytes'] / 1e9:.2f} GB "
+            f"read per token), {moe['throughput_tok_s_32']:,.0f} tok/s at 32 concurrent, "
+            f"start-up {moe['startup_s']:.0f} s, CUDA-graph capture {moe['graph_capture_s']:.1f} s",
+        ]
+    if "moe_error" in doc:
+        lines += ["", f"MoE row: the stage failed ({doc['moe_error']})"]
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     lines += [
         f"| {goal} | {measured} | {'yes' if met else 'no'} |" for goal, measured, met in goals(doc)
@@ -434,7 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/nanoserve-gpu-bench"))
     parser.add_argument("--out", type=Path, default=Path("gpu-results"))
-    parser.add_argument("--skip", default="", help="comma list of stages to skip: hf,spec,serve")
+    parser.add_argument(
+        "--skip", default="", help="comma list of stages to skip: hf,spec,serve,moe"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -475,9 +560,20 @@ def main(argv: list[str] | None = None) -> int:
     if "serve" not in args.skip:
         log("nanoserve serve ...")
         doc["serve"] = bench_server(model_dir, device, args.out)
+        write(doc, args.out)
+    if "moe" not in args.skip:  # last: a stage cut short by the time limit loses only its row
+        log("nanoserve, a mixture-of-experts model ...")
+        moe_dir = moe_model_dir(args.model_dir / "moe", tiny=args.preset == "tiny")
+        try:  # a failure is written down: in the table, and as the exit code
+            doc["moe"] = bench_moe(moe_dir, device, args.seed, doc["bandwidth_gb_s"])
+        except Exception as error:  # noqa: BLE001 (any failure of the stage, written down)
+            doc["moe_error"] = f"{type(error).__name__}: {error}"
+            log(f"the MoE stage failed: {doc['moe_error']}")
+        gc.collect()
+        write(doc, args.out)
     write(doc, args.out)
     print(markdown(doc))
-    return 0
+    return 1 if "moe_error" in doc else 0
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 This is the one module that knows every plug-in: the platform's fast paths (`platforms/cpu`,
 `platforms/cuda`), quantized linears (`quantization/`), structured output
-(`structured_output/`) and tensor parallelism (`distributed/`). It picks them once, at
+(`structured_output/`), tensor parallelism (`distributed/`) and the mixture-of-experts models
+and their methods (`moe/`). It picks them once, at
 start-up, and hands them to the core through its plug points (`core/fast_paths.py`); the core
 imports none of them. The offline `LLM`, the worker process and the tests build engines here.
 """
@@ -26,6 +27,8 @@ from nanoserve.core.models.base import CausalLM
 from nanoserve.core.parallel import TensorParallel
 from nanoserve.core.speculation import Speculator
 from nanoserve.distributed.step_broadcast import BroadcastingRunner, StepBroadcaster, follow
+from nanoserve.moe.models import moe_model_classes
+from nanoserve.moe.setup import install_moe_methods
 from nanoserve.quantization import fp8
 from nanoserve.quantization.int8 import install_int8_linears
 
@@ -54,6 +57,7 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
 
     def prepare_model(model: CausalLM) -> None:
         quantize_linears(model, config, device)  # then the platform packs what is still plain
+        install_moe_methods(model, config, device)
         platform_prepare(model)
 
     paths = dataclasses.replace(
@@ -61,6 +65,7 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
         prepare_model=prepare_model,
         weight_reader=fp8.weight_reader_for,
         grammar_backend=grammar_backend,
+        model_classes=moe_model_classes(config.enable_expert_parallel),
     )
     if config.speculative_config is not None:
         paths = dataclasses.replace(paths, speculator=speculator_for(config))

@@ -9,8 +9,9 @@
 #
 # It runs the `gpu` tests (greedy tokens equal transformers on CUDA for each architecture, bf16 end
 # to end, CUDA graphs equal eager steps, the Triton kernels against the torch reference at full
-# size, FP8), then benchmarks/gpu_bench.py (Qwen3-1.7B shape beside transformers, then
-# `nanoserve serve` with 32 streaming clients). Results: gpu-<date>.json and gpu-table.md in $OUT
+# size, FP8, MoE), then benchmarks/gpu_bench.py (Qwen3-1.7B shape beside transformers, then
+# `nanoserve serve` with 32 streaming clients, then the MoE row: Qwen3-30B-A3B, dummy bf16).
+# Results: gpu-<date>.json and gpu-table.md in $OUT
 # (default ./gpu-results); copy them to benchmarks/results/ and the table to benchmarks/RESULTS.md.
 # Exits non-zero when the tests or the benchmark fail, or outlast GPU_TESTS_TIMEOUT_S (default 210)
 # or GPU_BENCH_TIMEOUT_S (default 320) seconds.

@@ -32,6 +32,7 @@ ENGINE_SIDE = (
     "nanoserve.distributed",
     "nanoserve.structured_output",
     "nanoserve.spec_decode",
+    "nanoserve.moe",
     "nanoserve.engine_setup",
     "nanoserve.llm",
 )

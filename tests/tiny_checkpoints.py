@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama", "mistral")
+# Mixture-of-experts models (nanoserve/moe/, a plug-in: engines need its model classes).
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
 
 # Small enough to run in milliseconds, big enough to exercise GQA, several blocks and layers.
 _TINY: dict[str, Any] = {
@@ -64,8 +66,32 @@ def tiny_config(architecture: str = "qwen3", **overrides: Any) -> PretrainedConf
     elif architecture == "mistral":
         cls = transformers.MistralConfig
         values.update(tie_word_embeddings=False, sliding_window=None)
+    elif architecture == "qwen3_moe":
+        # 3 layers: two sparse ones around a dense one (mlp_only_layers), 8 experts, top 3.
+        cls = transformers.Qwen3MoeConfig
+        values.update(
+            head_dim=32,
+            tie_word_embeddings=False,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
+    elif architecture == "mixtral":
+        cls = transformers.MixtralConfig
+        values.update(
+            tie_word_embeddings=False,
+            sliding_window=None,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+        )
     else:
-        raise ValueError(f"unknown architecture {architecture!r}; choose from {ARCHITECTURES}")
+        known = ARCHITECTURES + MOE_ARCHITECTURES
+        raise ValueError(f"unknown architecture {architecture!r}; choose from {known}")
     values.update(overrides)
     return cls(**values)
 

@@ -212,6 +212,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,

@@ -286,6 +286,12 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
         help="split the model across this many worker processes (one per GPU on CUDA; gloo on CPU)",
     )
     parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixture-of-experts models: place whole experts on the tensor-parallel ranks "
+        "instead of a slice of every expert on each",
+    )
+    parser.add_argument(
         "--data-parallel-size",
         "-dp",
         type=int,

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nanoserve.common.config import ModelConfig
+from nanoserve.common.config import ModelConfig, MoeConfig
 from nanoserve.text.byte_tokenizer import save_byte_level_tokenizer
 
 logger = logging.getLogger("nanoserve.common.checkpoint")
@@ -36,13 +36,16 @@ WEIGHT_PATTERNS = ["*.safetensors"]
 # How alike (difflib's ratio) a name the hub does not know must be to a known one to suggest it.
 NAME_SIMILARITY_CUTOFF = 0.8
 
-# Llama, Mistral, Qwen2 and Qwen3 are one model family with small switches (engine/models/).
-SUPPORTED_ARCHITECTURES = (
+# Llama, Mistral, Qwen2 and Qwen3 are one model family with small switches (core/models/);
+# the mixture-of-experts models are a plug-in (nanoserve/moe/).
+DENSE_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 # rope_type -> the keys its rope_scaling dict must carry
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -268,11 +271,39 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; its config.json does not say so.
         attention_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or "float32",
         eos_token_ids=tuple(_token_ids(raw.get("eos_token_id"))),
         quantization=_quantization(raw, config_path),
+        moe=_moe(raw, architecture, config_path),
     )
+
+
+def _moe(raw: dict[str, Any], architecture: str, config_path: Path) -> MoeConfig | None:
+    """The experts of a mixture-of-experts config.json (None for a dense model).
+
+    Qwen3-MoE names its expert count `num_experts` (transformers 5.x writes
+    `num_local_experts`, Mixtral's name) and its expert width `moe_intermediate_size`; Mixtral's
+    experts are `intermediate_size` wide, every layer is sparse and the top-k is renormalized.
+    """
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    num_experts = raw.get("num_experts") or raw.get("num_local_experts")
+    if not num_experts or "num_experts_per_tok" not in raw:
+        raise ModelLoadError(f"{config_path} names no experts (num_experts, num_experts_per_tok)")
+    is_mixtral = architecture == "MixtralForCausalLM"
+    width_key = "intermediate_size" if is_mixtral else "moe_intermediate_size"
+    try:
+        return MoeConfig(
+            num_experts=num_experts,
+            num_experts_per_tok=raw["num_experts_per_tok"],
+            moe_intermediate_size=raw[width_key],
+            norm_topk_prob=is_mixtral or bool(raw.get("norm_topk_prob", False)),
+            decoder_sparse_step=1 if is_mixtral else raw.get("decoder_sparse_step", 1),
+            mlp_only_layers=() if is_mixtral else tuple(raw.get("mlp_only_layers") or ()),
+        )
+    except (KeyError, ValueError) as error:
+        raise ModelLoadError(f"{config_path}: {error}") from None
 
 
 def _check_supported(raw: dict[str, Any], config_path: Path) -> str:
@@ -342,7 +373,9 @@ def _max_positions(raw: dict, architecture: str, config_path: Path) -> int:
     if max_positions is None:
         raise ModelLoadError(f"{config_path} has no 'max_position_embeddings'")
     window = raw.get("sliding_window")
-    uses_window = architecture == "MistralForCausalLM" or raw.get("use_sliding_window", False)
+    uses_window = architecture in ("MistralForCausalLM", "MixtralForCausalLM") or raw.get(
+        "use_sliding_window", False
+    )
     if uses_window and window is not None and window < max_positions:
         # Within the window, full attention is exact; beyond it we would differ. Cap instead.
         logger.warning(

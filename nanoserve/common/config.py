@@ -36,6 +36,32 @@ def resolve_auto_dtype(checkpoint_dtype: str, device_type: str, device_has_bf16:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts part of a model (Qwen3-MoE, Mixtral), from its config.json."""
+
+    num_experts: int
+    num_experts_per_tok: int  # top-k: experts each token runs through
+    moe_intermediate_size: int  # each expert's SwiGLU width
+    norm_topk_prob: bool = True  # renormalize the top-k probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (a dense MLP then)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+                f"({self.num_experts})"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def is_sparse(self, layer_index: int) -> bool:
+        """Whether decoder layer `layer_index` routes to experts (else it has a dense MLP)."""
+        is_step = (layer_index + 1) % self.decoder_sparse_step == 0
+        return is_step and layer_index not in self.mlp_only_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape of a Llama-family transformer, read from a checkpoint's config.json."""
 
@@ -57,6 +83,7 @@ class ModelConfig:
     torch_dtype: str = "float32"  # the checkpoint's dtype as written in config.json
     eos_token_ids: tuple[int, ...] = ()  # from config.json; generation_config may add more
     quantization: dict | None = None  # config.json's quantization_config (FP8 checkpoints)
+    moe: MoeConfig | None = None  # the experts of a mixture-of-experts model
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -137,6 +164,7 @@ class EngineConfig:
     quantization: str | None = None  # int8: weight-only int8 linears
     quantize_lm_head: bool = True  # with a quantization, the LM head too
     tensor_parallel_size: int = 1  # ranks (processes) one model is split across
+    enable_expert_parallel: bool = False  # MoE: whole experts per rank, not a slice of each
     nnodes: int = 1  # machines those ranks run on
     node_rank: int = 0  # this machine's index among them
     master_addr: str = "127.0.0.1"  # where rank 0 (node 0) meets the others

@@ -47,7 +47,7 @@ class Engine:
         self.device = loader.resolve_device(config.device)
         torch.manual_seed(config.seed)
         model, self.model_config, self.model_path = loader.load_model(
-            config, self.device, tp=tp, weight_reader=fast_paths.weight_reader
+            config, self.device, None, tp, fast_paths.weight_reader, fast_paths.model_classes
         )
         self.load_time_s = time.perf_counter() - started
         logger.info("weights in %.2f s; preparing the layers' linear methods", self.load_time_s)

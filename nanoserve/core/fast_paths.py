@@ -14,12 +14,13 @@ every fast path is tested against (`--enforce-eager` keeps as much of it as the 
                        compiled decode, tensor-parallel broadcast, then the eager runner
     grammar_backend    structured output (`grammar.py`)
     speculator         speculative decoding: drafts proposed and verified (`speculation.py`)
+    model_classes      architectures beyond the core's (`models/registry.py`): MoE models
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,3 +59,4 @@ class FastPaths:
     speculator: Callable[[torch.device, int, int], Speculator] = (
         lambda device, vocab_size, max_model_len: Speculator()
     )
+    model_classes: dict[str, Callable[..., CausalLM]] = field(default_factory=dict)  # MoE

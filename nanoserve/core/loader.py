@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,7 +32,7 @@ from nanoserve.common.cpu_features import has_native_bf16
 from nanoserve.core.layers.linear import CheckpointSlice, CheckpointTargets
 from nanoserve.core.layers.norm import RMSNorm
 from nanoserve.core.models.base import CausalLM
-from nanoserve.core.models.registry import get_model_class
+from nanoserve.core.models.registry import ModelClass, get_model_class
 from nanoserve.core.parallel import TensorParallel
 
 logger = logging.getLogger("nanoserve.loader")
@@ -81,12 +81,13 @@ def load_model(
     dtype: torch.dtype | None = None,
     tp: TensorParallel | None = None,
     weight_reader: Callable[[ModelConfig], WeightReader] | None = None,
+    model_classes: Mapping[str, ModelClass] | None = None,
 ) -> LoadedModel:
     """Resolve, build and fill the model named by `config` (weights or seeded random values).
 
     With tensor parallelism (`tp`) the model holds this rank's shard, read from the checkpoint
     slice by slice: no process ever holds the whole model. `weight_reader` gives the reader for
-    the checkpoint's format (default: the tensors as they are).
+    the checkpoint's format (default: the tensors as they are); `model_classes` are plug-ins'.
     """
     device = torch.device(device) if device is not None else resolve_device(config.device)
     model_dir = resolve_checkpoint(
@@ -97,7 +98,7 @@ def load_model(
     )
     model_config = load_model_config(model_dir)
     dtype = dtype or resolve_dtype(config.dtype, model_config.torch_dtype, device)
-    model = build_model(model_config, device, dtype, tp)
+    model = build_model(model_config, device, dtype, tp, model_classes)
     num_params = sum(p.numel() for p in model.parameters())  # a tied head is counted once
     logger.info(
         "%s: %s, %s parameters, %s on %s",
@@ -128,12 +129,13 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     tp: TensorParallel | None = None,
+    model_classes: Mapping[str, ModelClass] | None = None,
 ) -> CausalLM:
     """The model with uninitialized `dtype` weights on `device`, in eval mode.
 
     Built on the meta device first so no time goes into random init that the weights overwrite.
     """
-    model_class = get_model_class(model_config.architecture)
+    model_class = get_model_class(model_config.architecture, model_classes)
     with torch.device("meta"):
         model = model_class(model_config, tp)
     materialized: dict[int, nn.Parameter] = {}  # id(meta param) -> real param; keeps ties tied

@@ -291,3 +291,59 @@ def test_a_hub_miss_is_one_line_and_names_a_known_model_it_resembles(monkeypatch
         resolve_checkpoint("Qwen/Qwen3-0.6B")
     message = str(raised.value)
     assert "did you mean" not in message and message.endswith("random weights, no download")
+
+
+def moe_config(edit) -> dict:
+    """A Qwen3-MoE config.json as the hub has it (`num_experts`), edited."""
+    raw = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+    }
+    return edit(raw)
+
+
+@pytest.mark.parametrize("experts_key", ["num_experts", "num_local_experts"])
+def test_qwen3_moe_config_names_its_experts_and_sparse_layers(tmp_path, experts_key):
+    raw = moe_config(lambda r: {k: v for k, v in r.items() if k != "num_experts"})
+    raw[experts_key] = 8
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = load_model_config(tmp_path)
+    assert config.qk_norm and config.moe is not None
+    moe = config.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (8, 2, 32)
+    assert moe.norm_topk_prob is False
+    # (i + 1) % 2 == 0 and i not in [3]: only layer 1 routes to experts.
+    assert [moe.is_sparse(i) for i in range(4)] == [False, True, False, False]
+
+
+def test_mixtral_config_renormalizes_top_2_over_experts_as_wide_as_its_mlp(tmp_path):
+    raw = moe_config(lambda r: {**r, "architectures": ["MixtralForCausalLM"]})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    moe = load_model_config(tmp_path).moe
+    assert moe is not None and moe.moe_intermediate_size == 128  # intermediate_size
+    assert moe.norm_topk_prob and all(moe.is_sparse(i) for i in range(4))
+
+
+def test_a_moe_config_without_experts_is_refused(tmp_path):
+    raw = moe_config(lambda r: {k: v for k, v in r.items() if k != "num_experts"})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="names no experts"):
+        load_model_config(tmp_path)
+    raw = moe_config(lambda r: {**r, "num_experts_per_tok": 9})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        ModelLoadError, match=r"num_experts_per_tok \(9\) must be in 1..num_experts"
+    ):
+        load_model_config(tmp_path)

@@ -151,7 +151,8 @@ def test_dummy_weights_are_seeded(checkpoints):
 
 
 def test_all_presets_shipped():
-    assert sorted(PUBLISHED_NUM_PARAMS) == available_presets()
+    moe_presets = {"Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-Instruct-v0.1"}  # tests/moe
+    assert sorted(PUBLISHED_NUM_PARAMS) == sorted(set(available_presets()) - moe_presets)
 
 
 @pytest.mark.parametrize("model_id", sorted(PUBLISHED_NUM_PARAMS))

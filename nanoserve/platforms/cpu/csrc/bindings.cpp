@@ -4,6 +4,10 @@
 at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales);
 at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight);
 bool bf16_gemv_is_vectorized();
+at::Tensor moe_bf16_gemv(at::Tensor x, at::Tensor weight, at::Tensor expert_ids,
+                         at::Tensor offsets);
+at::Tensor moe_int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales, at::Tensor expert_ids,
+                         at::Tensor offsets);
 void set_gemv_prefetch(int64_t bytes);
 int64_t gemv_prefetch();
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
@@ -15,6 +19,10 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor signed_sin);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, "[M, K] bf16 x [N, K] int8 weight * [N] scales -> [M, N]");
   m.def("bf16_gemv", &bf16_gemv, "[M, K] bf16 x [N, K] bf16 weight -> [M, N] (M <= 8)");
+  m.def("moe_bf16_gemv", &moe_bf16_gemv,
+        "[A, K] bf16 rows grouped by expert x [E, N, K] bf16 experts -> [A, N]");
+  m.def("moe_int8_gemv", &moe_int8_gemv,
+        "[A, K] rows grouped by expert x [E, N/2, 2K] int8 expert pairs * [E, N] -> [A, N]");
   m.def("bf16_gemv_is_vectorized", &bf16_gemv_is_vectorized, "built with AVX512-BF16?");
   m.def("set_gemv_prefetch", &set_gemv_prefetch, "bytes the GEMVs prefetch ahead (0: none)");
   m.def("gemv_prefetch", &gemv_prefetch, "the GEMVs' prefetch distance in bytes");

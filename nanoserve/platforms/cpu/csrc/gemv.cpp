@@ -324,3 +324,117 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   });
   return out;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Grouped products for mixture-of-experts decode steps: rows of x grouped by expert, each group
+// multiplied by its own expert's weight, which is read once for the group. Only the experts
+// named in expert_ids are read: a decode step streams the chosen experts' weights and no other.
+//
+//   x [A, K] (the (token, expert) pairs, grouped), weight [E, N, K] (every expert, stacked),
+//   expert_ids [U] int64, offsets [U + 1] int64: rows offsets[u] .. offsets[u + 1] - 1 of x
+//   belong to expert expert_ids[u]. -> out [A, N]
+//
+// The work is U groups of N output rows, split across threads as one list (a thread may finish
+// one expert's rows and start the next's), so a step with few experts still uses every core.
+
+// Calls body(u, n_begin, n_end) for the part of the flat [U * N] range [begin, end) that lies
+// in each group u.
+template <typename Body>
+static void for_each_group_part(int64_t N, int64_t begin, int64_t end, const Body& body) {
+  for (int64_t i = begin; i < end;) {
+    const int64_t u = i / N, n_begin = i % N, n_end = std::min(N, n_begin + (end - i));
+    body(u, n_begin, n_end);
+    i += n_end - n_begin;
+  }
+}
+
+static void check_groups(const at::Tensor& x, const at::Tensor& expert_ids,
+                         const at::Tensor& offsets, int64_t num_experts) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x is [A, K], contiguous");
+  TORCH_CHECK(expert_ids.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong);
+  TORCH_CHECK(expert_ids.is_contiguous() && offsets.is_contiguous());
+  TORCH_CHECK(offsets.numel() == expert_ids.numel() + 1, "offsets is [U + 1]");
+  const int64_t* ids = expert_ids.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[expert_ids.numel()] == x.size(0), "offsets span x's rows");
+  for (int64_t u = 0; u < expert_ids.numel(); ++u) {
+    TORCH_CHECK(ids[u] >= 0 && ids[u] < num_experts, "expert id out of range: ", ids[u]);
+    TORCH_CHECK(off[u] <= off[u + 1], "offsets must not decrease");
+  }
+}
+
+// x [A, K] bf16, weight [E, N, K] bf16 -> [A, N] bf16 (float32 sums, rounded once).
+at::Tensor moe_bf16_gemv(at::Tensor x, at::Tensor weight, at::Tensor expert_ids,
+                         at::Tensor offsets) {
+  TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.size(2) == x.size(1));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16);
+  check_groups(x, expert_ids, offsets, weight.size(0));
+  const int64_t N = weight.size(1), K = weight.size(2), U = expert_ids.numel();
+  const int64_t ahead = prefetch_bytes.load();
+  auto out = at::empty({x.size(0), N}, x.options());
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t* ids = expert_ids.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  at::parallel_for(0, U * N, 16, [&](int64_t begin, int64_t end) {
+    for_each_group_part(N, begin, end, [&](int64_t u, int64_t n_begin, int64_t n_end) {
+      const at::BFloat16* expert = wp + ids[u] * N * K;
+      for (int64_t row = off[u]; row < off[u + 1]; row += 8) {  // 8 rows per weight pass
+        with_rows(std::min<int64_t>(8, off[u + 1] - row), [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          float sums[R];
+          for (int64_t n = n_begin; n < n_end; ++n) {
+            bf16_row_dot<R>(xp + row * K, expert + n * K, K, ahead, sums);
+            for (int m = 0; m < R; ++m) op[(row + m) * N + n] = static_cast<at::BFloat16>(sums[m]);
+          }
+        });
+      }
+    });
+  });
+  return out;
+}
+
+// x [A, K] (K % 32 == 0), weight pairs [E, (N + 1) / 2, 2K] int8 (pair_rows per expert),
+// scales [E, N] float32 -> [A, N] in x's dtype.
+at::Tensor moe_int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales, at::Tensor expert_ids,
+                         at::Tensor offsets) {
+  TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.scalar_type() == at::kChar);
+  TORCH_CHECK(weight.size(2) == 2 * x.size(1), "weight is in row pairs, [E, (N + 1) / 2, 2K]");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous());
+  const int64_t E = weight.size(0), P = weight.size(1), N = scales.size(1), K = x.size(1);
+  TORCH_CHECK(scales.size(0) == E && P == (N + 1) / 2, "scales is [E, N]");
+  TORCH_CHECK(K % PAIR_CHUNK == 0, "moe_int8_gemv takes K a multiple of 32, got ", K);
+  check_groups(x, expert_ids, offsets, E);
+  const Int16Rows xq = int16_rows(x);
+  const int64_t U = expert_ids.numel(), ahead = prefetch_bytes.load();
+  auto out = at::empty({x.size(0), N}, x.options());
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const int16_t* xp = xq.values.data_ptr<int16_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int64_t* ids = expert_ids.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "moe_int8", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, U * P, 8, [&](int64_t begin, int64_t end) {
+      for_each_group_part(P, begin, end, [&](int64_t u, int64_t p_begin, int64_t p_end) {
+        const int8_t* expert = wp + ids[u] * P * 2 * K;
+        const float* expert_scales = sp + ids[u] * N;
+        for (int64_t row = off[u]; row < off[u + 1]; row += 8) {
+          with_rows(std::min<int64_t>(8, off[u + 1] - row), [&](auto rows) {
+            constexpr int R = decltype(rows)::value;
+            float sums[2][R];
+            for (int64_t p = p_begin; p < p_end; ++p) {
+              int8_pair_dot<R>(xp + row * K, expert + p * 2 * K, K, ahead, sums);
+              for (int r = 0; r < 2 && 2 * p + r < N; ++r)
+                for (int m = 0; m < R; ++m)
+                  op[(row + m) * N + 2 * p + r] = static_cast<scalar_t>(
+                      sums[r][m] * xq.scales[row + m] * expert_scales[2 * p + r]);
+            }
+          });
+        }
+      });
+    });
+  });
+  return out;
+}
