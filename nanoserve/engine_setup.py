@@ -26,6 +26,7 @@ from nanoserve.core.parallel import TensorParallel
 from nanoserve.distributed.step_broadcast import BroadcastingRunner, StepBroadcaster, follow
 from nanoserve.quantization import fp8
 from nanoserve.quantization.int8 import install_int8_linears
+from nanoserve.quantization.kv_cache_fp8 import with_kv_cache_dtype
 
 logger = logging.getLogger("nanoserve.engine_setup")
 
@@ -38,8 +39,9 @@ def build_engine(config: EngineConfig, tp: TensorParallel | None = None) -> Engi
 
 
 def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParallel) -> FastPaths:
-    """The platform's paths, with quantization before its linear methods, structured output,
-    and on rank 0 of a tensor-parallel group the step broadcast."""
+    """The platform's paths, with quantization before its linear methods, the KV cache's dtype
+    (FP8: quantized on write), structured output, and on rank 0 of a tensor-parallel group the
+    step broadcast."""
     if device.type == "cuda":
         from nanoserve.platforms.cuda.fast_paths import cuda_fast_paths
 
@@ -60,6 +62,7 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
         weight_reader=fp8.weight_reader_for,
         grammar_backend=grammar_backend,
     )
+    paths = with_kv_cache_dtype(paths, config.kv_cache_dtype, config.calculate_kv_scales)
     if tp.size > 1 and tp.is_first:
         paths = with_step_broadcast(paths, StepBroadcaster(tp, device))
     return paths
