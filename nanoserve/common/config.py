@@ -177,8 +177,8 @@ class EngineConfig:
         self._check_parallelism()
         _require(
             self.kv_cache_dtype == "auto" or not self.use_compiled_decode,
-            f"kv_cache_dtype {self.kv_cache_dtype} does not combine with compile_decode (--compile)"
-            "; use one of them (or add --enforce-eager)",
+            f"kv_cache_dtype {self.kv_cache_dtype} does not combine with compile_decode; use one "
+            "of them (or add enforce_eager)",
         )
         self.cache_config()  # validates the cache settings
         if self.max_model_len is not None:
