@@ -66,10 +66,9 @@ class KVCache:
             self.num_blocks = int(count.item())
         self.tensors = [self._bind_new(i, layer) for i, layer in enumerate(self.layers)]
         logger.info(
-            "KV cache: %d blocks of %d tokens in %s (%.1f MiB), up to %d tokens",
+            "KV cache: %d blocks of %d tokens (%.1f MiB), up to %d tokens",
             self.num_blocks,
             self.block_size,
-            str(self.dtype).removeprefix("torch."),
             self.num_blocks * self.block_bytes / 2**20,
             self.num_blocks * self.block_size,
         )
@@ -88,23 +87,15 @@ class KVCache:
         return k_cache, v_cache
 
     def _num_blocks(
-        self,
-        cache_config: CacheConfig,
-        limits: SchedulerConfig,
-        budget_bytes: int | None,
+        self, cache_config: CacheConfig, limits: SchedulerConfig, budget_bytes: int | None
     ) -> int:
         if cache_config.num_blocks_override is not None:
             return cache_config.num_blocks_override
-        if budget_bytes is not None:
-            budget = budget_bytes
-        else:
-            budget = cache_config.kv_cache_memory or DEFAULT_KV_CACHE_BYTES
-            if cache_config.kv_cache_memory is None:
-                # Without an explicit budget, take no more than every sequence at full length.
-                needed_tokens = (
-                    limits.max_num_seqs * limits.max_model_len + limits.max_num_batched_tokens
-                )
-                budget = min(budget, (needed_tokens // self.block_size + 1) * self.block_bytes)
+        budget = budget_bytes if budget_bytes is not None else cache_config.kv_cache_memory
+        if budget is None:  # up to 2 GiB, and no more than every sequence at full length
+            tokens = limits.max_num_seqs * limits.max_model_len + limits.max_num_batched_tokens
+            needed_bytes = (tokens // self.block_size + 1) * self.block_bytes
+            budget = min(DEFAULT_KV_CACHE_BYTES, needed_bytes)
         num_blocks = budget // self.block_bytes
         if num_blocks < 2:
             raise ValueError(
