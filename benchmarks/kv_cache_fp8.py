@@ -63,7 +63,12 @@ def prompt_logprobs(engine: Engine, tokens: list[int]) -> torch.Tensor:
     """log p(tokens[i + 1] | tokens[: i + 1]) for every i, in one prompt pass: [n - 1]."""
     model, backend, block_size = engine.model, engine.kv_cache.backend, engine.kv_cache.block_size
     n = len(tokens)
-    layout = StepLayout([n], [n], [list(range(-(-n // block_size)))], list(range(n)))
+    layout = StepLayout(
+        slot_mapping=list(range(n)),
+        query_lens=[n],
+        seq_lens=[n],
+        block_tables=[list(range(-(-n // block_size)))],
+    )
     meta = backend.build_metadata(layout, block_size, engine.device)
     ids = torch.tensor(tokens)
     hidden = model(ids, torch.arange(n), meta)  # [n, hidden]
@@ -156,7 +161,9 @@ def decode_step_s(engine: Engine, context: int, repeats: int) -> float:
     """Median seconds of one decode step (forward + logits) of one request at `context`."""
     backend, block_size = engine.kv_cache.backend, engine.kv_cache.block_size
     table = list(range(-(-context // block_size)))
-    layout = StepLayout([1], [context], [table], [context - 1])
+    layout = StepLayout(
+        slot_mapping=[context - 1], query_lens=[1], seq_lens=[context], block_tables=[table]
+    )
     ids, positions = torch.tensor([1]), torch.tensor([context - 1])
     times = []
     for _ in range(repeats):
@@ -208,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", nargs="+", default=["quality", "capacity", "speed"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     parts = {"quality": quality, "capacity": capacity, "speed": speed}
     for name in args.parts:
         started = time.perf_counter()

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_checkpoints import ARCHITECTURES, make_tiny_checkpoint
+from tiny_checkpoints import ARCHITECTURES, make_fp8_checkpoint, make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
@@ -266,10 +266,19 @@ def test_checkpoint_kv_scales_are_read_and_kept_out_of_the_weights(qwen3, tmp_pa
     assert run(build_engine(engine_config(checkpoint)), [[1, 2, 3]], greedy(2))
 
 
-def test_fp8_kv_cache_with_int8_weights(qwen3, prompts):
-    engine = build_engine(engine_config(qwen3, kv_cache_dtype="fp8", quantization="int8"))
-    outputs = run(engine, prompts[:2], greedy(4))
-    assert [len(tokens) for tokens in outputs] == [4, 4]
+@pytest.mark.parametrize("weights", ["int8", "fp8 checkpoint"])
+def test_fp8_kv_cache_with_quantized_weights(qwen3, prompts, tmp_path, weights):
+    """int8 linears and an FP8 checkpoint's weights, each with an FP8 cache: the same tokens
+    batched as one at a time (float32 activations: only rounding differs)."""
+    if weights == "int8":
+        config = engine_config(qwen3, kv_cache_dtype="fp8", quantization="int8")
+    else:
+        checkpoint = make_fp8_checkpoint(qwen3, tmp_path / "fp8", block_size=(32, 32))
+        config = engine_config(checkpoint, kv_cache_dtype="fp8")
+    engine = build_engine(config)
+    assert isinstance(engine.kv_cache.layers[0].backend, Fp8KVAttention)
+    batched = run(engine, prompts, greedy(6))
+    assert batched == [run(engine, [prompt], greedy(6))[0] for prompt in prompts]
 
 
 NEAR_TIE_NATS = 0.5

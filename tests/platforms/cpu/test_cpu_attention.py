@@ -116,6 +116,19 @@ def test_kernel_widens_every_fp8_value_exactly(kernels, cache_dtype):
         query, k_cache, v_cache, tables, torch.ones(len(codes), dtype=torch.int64), 1.0
     )
     assert torch.equal(got[:, 0], v_cache.float()[:, 0, 0, :])
+    # NaN (e4m3fn's 0x7f and 0xff; e5m2's 0x7d-0x7f, 0xfd-0xff) stays NaN.
+    nan_codes = torch.arange(256, dtype=torch.uint8)
+    nan_codes = nan_codes[nan_codes.view(cache_dtype).float().isnan()]
+    v_nan = nan_codes[:, None, None, None].expand(-1, 1, 1, head_dim).contiguous()
+    got = kernels.paged_decode_attention(
+        query[: len(nan_codes)],
+        k_cache[: len(nan_codes)],
+        v_nan.view(cache_dtype),
+        tables[: len(nan_codes)],
+        torch.ones(len(nan_codes), dtype=torch.int64),
+        1.0,
+    )
+    assert got.isnan().all()
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)

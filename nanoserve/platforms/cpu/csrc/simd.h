@@ -3,8 +3,6 @@
 // float32: widening is exact, and narrowing rounds to nearest even, as PyTorch's conversion does.
 #pragma once
 #include <ATen/ATen.h>
-
-#include <limits>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -15,22 +13,20 @@ inline __m512 load16(const at::BFloat16* p) {
   const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
-// FP8 e4m3fn (sign, 4 exponent bits biased by 7, 3 mantissa bits; no inf, 0x7f is NaN): moved
-// into float32's fields (exponent rebased by 127 - 7 = 120); the subnormals (exponent field 0)
-// are mantissa * 2^-9. Exact, as every FP8 value is a float32.
+// FP8 e4m3fn (sign, 4 exponent bits biased by 7, 3 mantissa bits; no inf, 0x7f is NaN) is moved
+// into float16's fields (sign to bit 15, the rest to bits 13..7), which reads it with a bias of 15
+// instead of 7, subnormals included; float16 -> float32, times 2^8, is then exact. 0x7f/0xff
+// become float16 NaNs.
 inline __m512 load16(const at::Float8_e4m3fn* p) {
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi32(0x7f));
-  const __m512i normal_bits =
-      _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23));
-  __m512 value = _mm512_castsi512_ps(normal_bits);
-  const __mmask16 is_subnormal = _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(8));
-  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(0x1p-9f));
-  value = _mm512_mask_blend_ps(is_subnormal, value, subnormal);
-  const __mmask16 is_nan = _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7f));
-  value = _mm512_mask_blend_ps(is_nan, value, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x80)), 24);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));
+  const __m256i bytes =
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // (byte << 8) >> 1, arithmetic: the sign lands in bits 15 and 14; bit 14 is cleared.
+  __m256i halves = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 1),
+                                    _mm256_set1_epi16(static_cast<short>(0xbfff)));
+  const __m256i magnitude = _mm256_and_si256(bytes, _mm256_set1_epi16(0x7f));
+  const __m256i is_nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f));
+  halves = _mm256_or_si256(halves, _mm256_and_si256(is_nan, _mm256_set1_epi16(0x7e00)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(halves), _mm512_set1_ps(256.f));
 }
 // FP8 e5m2 is the top byte of a float16: widened to 16 bits, then float16 -> float32.
 inline __m512 load16(const at::Float8_e5m2* p) {
