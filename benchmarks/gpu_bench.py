@@ -338,9 +338,9 @@ def markdown(doc: dict) -> str:
         )
     lines.append(f"| CUDA-graph capture s | {cell(ours, 'graph_capture_s', 1)} | — |")
     lines.append(f"| KV cache tokens | {cell(ours, 'kv_tokens')} | — |")
-    lines += fp8_kv_lines(ours, doc.get("fp8_kv", {}), doc.get("fp8_kv_greedy_match"))
     if "greedy_match" in doc:
         lines.append(f"| greedy tokens equal (single stream) | {doc['greedy_match']:.0%} | |")
+    lines += fp8_kv_lines(ours, doc.get("fp8_kv", {}), doc.get("fp8_kv_greedy_match"))
     if "serve" in doc:
         serve = doc["serve"]
         lines += [
