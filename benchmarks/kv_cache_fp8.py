@@ -29,6 +29,7 @@ from benchmarks.quantization_quality import DECODE_STEP, bits_per_byte, heldout_
 from nanoserve.common.checkpoint import DEMO_MODEL_DIR
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.core.attention.layer import AttentionBackend
 from nanoserve.core.engine import Engine
 from nanoserve.core.step_layout import StepLayout
 from nanoserve.engine_setup import build_engine
@@ -76,31 +77,48 @@ def prompt_logprobs(engine: Engine, tokens: list[int]) -> torch.Tensor:
     return logprobs[:-1].gather(1, ids[1:, None])[:, 0]
 
 
+def bind_cache(engine: Engine, cache: str, inner: AttentionBackend) -> None:
+    """Bind every layer of `engine` to a new zero pool of `cache`'s dtype (bf16: `inner`
+    itself; FP8: wrapped, with scales 1.0 or to be measured on the next prompt)."""
+    kv_cache_dtype, calculate = CACHES[cache]
+    layers = engine.kv_cache.layers
+    backend = inner
+    if kv_cache_dtype != "auto":
+        scales = KVScales(len(layers), engine.device, calculate=calculate)
+        backend = Fp8KVAttention(inner, KV_CACHE_DTYPES[kv_cache_dtype], scales)
+    for index, ((k, _), layer) in enumerate(zip(engine.kv_cache.tensors, layers, strict=True)):
+        dtype = backend.kv_cache_dtype or k.dtype
+        pool = torch.zeros(k.shape, dtype=dtype), torch.zeros(k.shape, dtype=dtype)
+        layer.bind(*pool, backend.for_layer(index))
+
+
 def quality(args: argparse.Namespace) -> list[str]:
     tokenizer = load_tokenizer(DEMO_MODEL_DIR)
-    chunks = windows(tokenizer, heldout_texts(), 512)
+    chunks = windows(tokenizer, heldout_texts(), 512)[: args.windows]
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 150_000, (512,), generator=generator).tolist() for _ in range(4)]
+    prompts = [torch.randint(0, 150_000, (512,), generator=generator).tolist() for _ in range(2)]
+    demo = engine_for(str(DEMO_MODEL_DIR), "bf16")
+    shape = engine_for(SHAPE, "bf16", load_format="dummy", max_model_len=1024)
+    inners = demo.kv_cache.backend, shape.kv_cache.backend
     rows, base, base_logprobs = [], {}, None
     for cache in CACHES:
-        engine = engine_for(str(DEMO_MODEL_DIR), cache)
-        bpb = bits_per_byte(engine, tokenizer, chunks)
-        stepped = bits_per_byte(engine, tokenizer, chunks, DECODE_STEP)
+        bind_cache(demo, cache, inners[0])
+        bpb = bits_per_byte(demo, tokenizer, chunks)
+        stepped = bits_per_byte(demo, tokenizer, chunks[: args.windows // 4], DECODE_STEP)
         base = base or {"bpb": bpb, "stepped": stepped}
-        del engine
-        shape = engine_for(SHAPE, cache, load_format="dummy", max_model_len=1024)
+        bind_cache(shape, cache, inners[1])
         logprobs = torch.cat([prompt_logprobs(shape, p) for p in prompts])
         base_logprobs = logprobs if base_logprobs is None else base_logprobs
         delta = (logprobs - base_logprobs).abs()
-        del shape
         rows.append(
             f"| {cache} | {bpb:.4f} | {bpb / base['bpb'] - 1:+.3%} | {stepped:.4f} | "
             f"{stepped / base['stepped'] - 1:+.3%} | {delta.mean():.4f} | {delta.max():.3f} |"
         )
         print(rows[-1], flush=True)
     header = [
-        f"Demo model: {len(chunks)} held-out windows of 512 tokens. 0.6B shape (random bf16 "
-        f"weights): {len(prompts)} prompts of 512 random tokens, {sum(map(len, prompts)) - 4} "
+        f"Demo model: the first {len(chunks)} held-out windows of 512 tokens "
+        f"({args.windows // 4} in 8-token steps). 0.6B shape (random bf16 weights): "
+        f"{len(prompts)} prompts of 512 random tokens, {sum(map(len, prompts)) - len(prompts)} "
         "teacher-forced logprobs.",
         "",
         f"| KV cache | demo bits/byte | vs bf16 | in {DECODE_STEP}-token steps | vs bf16 | "
@@ -216,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--windows", type=int, default=80, help="quality: held-out windows")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
