@@ -6,7 +6,9 @@
 On a dummy-weight checkpoint of the preset's shape (bf16, written once to --model-dir, the same
 files for every arm) it measures, in order: the device's copy bandwidth; nanoserve in-process
 (single-stream decode and its % of the weight-streaming bound, TTFT at 128 and 2,048 prompt
-tokens, throughput at 8, 32 and 128 concurrent requests, CUDA-graph capture time);
+tokens, throughput at 8, 32 and 128 concurrent requests, CUDA-graph capture time, the tokens
+its KV pool holds); the same engine with an FP8 KV cache (`--kv-cache-dtype fp8`: the tokens
+its pool holds, single stream, 32 concurrent, greedy tokens against the bf16 cache's);
 transformers `generate` (one request at a time, and padded batches of 8 and 32); speculative
 decoding (one stream of an editing-shaped prompt with no drafts, n-gram drafts and a draft
 model of the next smaller shape, k = 3, and a verify step's cost against a one-token step);
@@ -118,6 +120,7 @@ def bench_nanoserve(model_dir: Path, device: torch.device, seed: int) -> dict:
     graphs = [r for r in engine.runner.step_runners if hasattr(r, "capture_time_s")]
     result["graph_capture_s"] = graphs[0].capture_time_s if graphs else 0.0
     result["attention_backend"] = engine.kv_cache.backend.name
+    result["kv_tokens"] = engine.kv_cache.num_blocks * engine.kv_cache.block_size
     single = run_engine(engine, random_prompts(1, PROMPT_LEN, seed), SINGLE_OUTPUT_LEN)
     decode_s = single["total_s"] - single["first_token_s"]
     result["single_stream_tok_s"] = (SINGLE_OUTPUT_LEN - 1) / decode_s
@@ -263,6 +266,32 @@ def bench_moe(model_dir: Path, device: torch.device, seed: int, bandwidth_gb_s: 
     run = run_engine(engine, random_prompts(32, PROMPT_LEN, seed + 10), OUTPUT_LEN)
     result["throughput_tok_s_32"] = 32 * OUTPUT_LEN / run["total_s"]
     log(f"MoE: {result['single_stream_tok_s']:.0f} tok/s one stream ({result['moe_method']})")
+
+
+def bench_fp8_kv(model_dir: Path, device: torch.device, seed: int) -> dict:
+    """The FP8-KV row: the same engine, its KV cache in float8_e4m3fn (scales 1.0)."""
+    engine = build_engine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="bfloat16",
+            device=device.type,
+            max_model_len=4096,
+            max_num_seqs=max(CONCURRENCY),
+            gpu_memory_utilization=0.8,
+            kv_cache_dtype="fp8",
+        )
+    )
+    engine.warm_up()
+    result: dict = {"kv_tokens": engine.kv_cache.num_blocks * engine.kv_cache.block_size}
+    result["attention_backend"] = engine.kv_cache.backend.name
+    single = run_engine(engine, random_prompts(1, PROMPT_LEN, seed), SINGLE_OUTPUT_LEN)
+    result["single_stream_tok_s"] = (SINGLE_OUTPUT_LEN - 1) / (
+        single["total_s"] - single["first_token_s"]
+    )
+    result["single_stream_tokens"] = single["outputs"][0]
+    run = run_engine(engine, random_prompts(32, PROMPT_LEN, seed + 10), OUTPUT_LEN)
+    result["throughput_tok_s_32"] = 32 * OUTPUT_LEN / run["total_s"]
+    log(f"nanoserve, fp8 KV cache, 32 concurrent: {result['throughput_tok_s_32']:.0f}")
     del engine
     return result
 
@@ -447,8 +476,10 @@ def markdown(doc: dict) -> str:
             f"{cell(ours, f'throughput_tok_s_{n}')} | {hf_cell} |"
         )
     lines.append(f"| CUDA-graph capture s | {cell(ours, 'graph_capture_s', 1)} | — |")
+    lines.append(f"| KV cache tokens | {cell(ours, 'kv_tokens')} | — |")
     if "greedy_match" in doc:
         lines.append(f"| greedy tokens equal (single stream) | {doc['greedy_match']:.0%} | |")
+    lines += fp8_kv_lines(ours, doc.get("fp8_kv", {}), doc.get("fp8_kv_greedy_match"))
     if "serve" in doc:
         serve = doc["serve"]
         lines += [
@@ -499,6 +530,27 @@ def speculative_rows(spec: dict) -> list[str]:
     return rows
 
 
+def fp8_kv_lines(ours: dict, fp8: dict, greedy: float | None) -> list[str]:
+    """The FP8-KV row against nanoserve's bf16 cache: tokens held, one stream, 32 at once."""
+    if not fp8:
+        return []
+
+    def ratio(key: str) -> str:
+        return f" ({fp8[key] / ours[key]:.2f}×)" if ours.get(key) else ""
+
+    same = f", greedy tokens equal to the bf16 cache's {greedy:.0%}" if greedy is not None else ""
+    return [
+        "",
+        f"FP8 KV cache (`--kv-cache-dtype fp8`, {fp8['attention_backend']}){same}:",
+        "",
+        "| KV cache tokens | single stream tok/s | 32 concurrent, output tok/s |",
+        "|---|---|---|",
+        f"| {fp8['kv_tokens']:,}{ratio('kv_tokens')} | {fp8['single_stream_tok_s']:,.0f}"
+        f"{ratio('single_stream_tok_s')} | {fp8['throughput_tok_s_32']:,.0f}"
+        f"{ratio('throughput_tok_s_32')} |",
+    ]
+
+
 def write(doc: dict, out_dir: Path) -> None:
     (out_dir / f"gpu-{doc['date']}.json").write_text(json.dumps(doc, indent=1))
     (out_dir / "gpu-table.md").write_text(markdown(doc))
@@ -518,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/nanoserve-gpu-bench"))
     parser.add_argument("--out", type=Path, default=Path("gpu-results"))
     parser.add_argument(
-        "--skip", default="", help="comma list of stages to skip: hf,spec,serve,moe"
+        "--skip", default="", help="comma list of stages to skip: hf,fp8,spec,serve,moe"
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -535,7 +587,11 @@ def main(argv: list[str] | None = None) -> int:
         "weight_bytes": decode_weight_bytes(model_dir),
     }
     doc["bound_tok_s"] = doc["bandwidth_gb_s"] * 1e9 / doc["weight_bytes"]
-    stages = [("nanoserve", bench_nanoserve), ("transformers", bench_transformers)]
+    stages = [
+        ("nanoserve", bench_nanoserve),
+        ("fp8_kv", bench_fp8_kv),
+        ("transformers", bench_transformers),
+    ]
     for name, stage in stages:
         if name[:2] in args.skip:
             continue
@@ -545,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         write(doc, args.out)
+    if "nanoserve" in doc and "fp8_kv" in doc:
+        tokens = doc["nanoserve"]["single_stream_tokens"], doc["fp8_kv"].pop("single_stream_tokens")
+        doc["fp8_kv_greedy_match"] = greedy_match(*tokens)
     if "nanoserve" in doc and "transformers" in doc:
         tokens = (
             doc["nanoserve"].pop("single_stream_tokens"),

@@ -31,6 +31,7 @@ from nanoserve.moe.models import moe_model_classes
 from nanoserve.moe.setup import install_moe_methods
 from nanoserve.quantization import fp8
 from nanoserve.quantization.int8 import install_int8_linears
+from nanoserve.quantization.kv_cache_fp8 import with_kv_cache_dtype
 
 logger = logging.getLogger("nanoserve.engine_setup")
 
@@ -43,8 +44,9 @@ def build_engine(config: EngineConfig, tp: TensorParallel | None = None) -> Engi
 
 
 def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParallel) -> FastPaths:
-    """The platform's paths, with quantization before its linear methods, structured output,
-    and on rank 0 of a tensor-parallel group the step broadcast."""
+    """The platform's paths, with quantization before its linear methods, the KV cache's dtype
+    (FP8: quantized on write), structured output, and on rank 0 of a tensor-parallel group the
+    step broadcast."""
     if device.type == "cuda":
         from nanoserve.platforms.cuda.fast_paths import cuda_fast_paths
 
@@ -67,6 +69,7 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
         grammar_backend=grammar_backend,
         model_classes=moe_model_classes(config.enable_expert_parallel),
     )
+    paths = with_kv_cache_dtype(paths, config.kv_cache_dtype, config.calculate_kv_scales)
     if config.speculative_config is not None:
         paths = dataclasses.replace(paths, speculator=speculator_for(config))
     if tp.size > 1 and tp.is_first:

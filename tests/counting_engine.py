@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import threading
 
+from nanoserve.common.config import EngineConfig
 from nanoserve.common.protocol import EngineStats, FinishReason, RequestDelta
 
 
 class CountingEngine:
     """A stand-in engine with exact, predictable outputs."""
 
+    config = EngineConfig(model="counting")
     max_model_len = 64
     vocab_size = 100
     load_time_s = 0.25

@@ -209,6 +209,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
         compile_decode=args.compile_decode,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
         enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from nanoserve.client.prefix_router import ROUTINGS
-from nanoserve.common.config import QUANTIZATIONS, EngineConfig
+from nanoserve.common.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from nanoserve.common.protocol import DEFAULT_WORKER_TIMEOUT_S
 from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.server.config import ServerConfig
@@ -260,6 +260,22 @@ def add_speed_flags(parser: argparse.ArgumentParser) -> None:
         '{"method": "suffix"}, or a draft model with the same tokenizer: {"model": DIR_OR_ID, '
         '"num_speculative_tokens": 4}. Drafts are verified in one pass; greedy output is '
         "unchanged and sampled output keeps the model's distribution (default: off)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=config_default(EngineConfig, "kv_cache_dtype"),
+        help="how the KV cache stores keys and values: auto (the model dtype), or fp8 (= "
+        "fp8_e4m3) / fp8_e5m2, one byte a value with a scale per layer for K and for V (the "
+        "checkpoint's k_scale/v_scale, else 1.0, or measured with --calculate-kv-scales): twice "
+        "the tokens in the same memory",
+    )
+    parser.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="with an fp8 KV cache and no scales in the checkpoint: each layer's K and V scales "
+        "from the first prompt step of 32 tokens or more (|max| / 200 for K, / 100 for V, as "
+        "vLLM), instead of 1.0",
     )
     parser.add_argument(
         "--enforce-eager",

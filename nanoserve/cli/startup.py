@@ -67,6 +67,8 @@ def kv_block_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
     if dtype == "auto":
         dtype = resolve_auto_dtype(model_config.torch_dtype, "cpu", has_native_bf16())
     bytes_per_value = 4 if dtype == "float32" else 2  # float16 and bfloat16 alike
+    if config.kv_cache_dtype != "auto":
+        bytes_per_value = 1  # fp8 (its per-layer scales are not counted: 2 floats a layer)
     per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads
     return per_token * model_config.head_dim * config.block_size * bytes_per_value
 

@@ -18,6 +18,8 @@ from nanoserve.common.speculative_config import SpeculativeConfig
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("int8",)
+# How the KV cache stores keys and values (vLLM's names): auto is the model's dtype, fp8 is e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_MIN_BATCHED_TOKENS = 2048
 
 
@@ -102,8 +104,14 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + KV on CUDA
     num_blocks_override: int | None = None  # tests: exact pool size, ignoring the budgets
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False  # fp8: scales from the first prompt step, not 1.0
 
     def __post_init__(self) -> None:
+        _require(
+            self.cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}",
+        )
         _require(
             self.block_size >= 1 and not self.block_size & (self.block_size - 1),
             f"block_size must be a power of two ≥ 1, got {self.block_size}",
@@ -172,6 +180,8 @@ class EngineConfig:
     data_parallel_size: int = 1  # independent engines behind one front (one machine)
     data_parallel_rank: int = 0  # which of them this engine is (set by the front)
     compile_decode: bool = False  # torch.compile the decode step (slow start-up, faster tokens)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e5m2
+    calculate_kv_scales: bool = False  # fp8 KV without checkpoint scales: measure them, not 1.0
     enforce_eager: bool = False  # the plain path, whatever else is asked for
     speculative_config: SpeculativeConfig | None = None  # drafts verified in one pass
 
@@ -196,6 +206,11 @@ class EngineConfig:
             value = getattr(self, name)
             _require(value is None or value >= 1, f"{name} must be ≥ 1, got {value}")
         self._check_parallelism()
+        _require(
+            self.kv_cache_dtype == "auto" or not self.use_compiled_decode,
+            f"kv_cache_dtype {self.kv_cache_dtype} does not combine with compile_decode; use one "
+            "of them (or add enforce_eager)",
+        )
         self.cache_config()  # validates the cache settings
         if self.max_model_len is not None:
             self.scheduler_config(self.max_model_len)  # validates the scheduler limits
@@ -237,6 +252,8 @@ class EngineConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_blocks_override=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:

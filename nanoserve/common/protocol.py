@@ -119,6 +119,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     prepare_time_s: float = 0.0  # installing linear methods and layer ops (packing weights)
     imports_time_s: float = 0.0  # a worker process's imports of torch and the engine
     setup_time_s: float = 0.0  # a worker process's fast paths (CPU kernels), parallel group
+    kv_cache_dtype: str = "auto"  # as --kv-cache-dtype chose: auto (the model's), fp8, ...
 
 
 class ScheduledChunk(msgspec.Struct, array_like=True):

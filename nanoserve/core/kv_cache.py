@@ -38,7 +38,7 @@ class KVCache:
         self.tp = tp or TensorParallel()
         self.backend = backend
         self.block_size = block_size
-        self.dtype = dtype
+        self.dtype = backend.kv_cache_dtype or dtype  # a quantized cache (fp8) is narrower
         self.device = device
         # This rank's KV heads (all of them without tensor parallelism).
         self.num_kv_heads, self.head_dim = layers[0].num_kv_heads, layers[0].head_dim
@@ -64,7 +64,7 @@ class KVCache:
             count = torch.tensor([self.num_blocks], device=self.device)
             torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MIN, group=self.tp.group)
             self.num_blocks = int(count.item())
-        self.tensors = [self._bind_new(layer) for layer in self.layers]
+        self.tensors = [self._bind_new(i, layer) for i, layer in enumerate(self.layers)]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), up to %d tokens",
             self.num_blocks,
@@ -73,7 +73,7 @@ class KVCache:
             self.num_blocks * self.block_size,
         )
 
-    def _bind_new(self, layer: PagedAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bind_new(self, index: int, layer: PagedAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """A zero-filled K and V for one layer, bound to it: separate tensors, since
         torch.compile updates a cache in place only when it aliases no other input; zeros, since
         unwritten slots are masked but 0 * NaN would still poison the attention output."""
@@ -83,27 +83,19 @@ class KVCache:
         # Fixed shapes: keeps torch.compile from tying a cache dim to an equal batch size.
         torch._dynamo.mark_static(k_cache)
         torch._dynamo.mark_static(v_cache)
-        layer.bind(k_cache, v_cache, self.backend)
+        layer.bind(k_cache, v_cache, self.backend.for_layer(index))
         return k_cache, v_cache
 
     def _num_blocks(
-        self,
-        cache_config: CacheConfig,
-        limits: SchedulerConfig,
-        budget_bytes: int | None,
+        self, cache_config: CacheConfig, limits: SchedulerConfig, budget_bytes: int | None
     ) -> int:
         if cache_config.num_blocks_override is not None:
             return cache_config.num_blocks_override
-        if budget_bytes is not None:
-            budget = budget_bytes
-        else:
-            budget = cache_config.kv_cache_memory or DEFAULT_KV_CACHE_BYTES
-            if cache_config.kv_cache_memory is None:
-                # Without an explicit budget, take no more than every sequence at full length.
-                needed_tokens = (
-                    limits.max_num_seqs * limits.max_model_len + limits.max_num_batched_tokens
-                )
-                budget = min(budget, (needed_tokens // self.block_size + 1) * self.block_bytes)
+        budget = budget_bytes if budget_bytes is not None else cache_config.kv_cache_memory
+        if budget is None:  # up to 2 GiB, and no more than every sequence at full length
+            tokens = limits.max_num_seqs * limits.max_model_len + limits.max_num_batched_tokens
+            needed_bytes = (tokens // self.block_size + 1) * self.block_bytes
+            budget = min(DEFAULT_KV_CACHE_BYTES, needed_bytes)
         num_blocks = budget // self.block_bytes
         if num_blocks < 2:
             raise ValueError(

@@ -293,12 +293,12 @@ class ServerMetrics:
         self.cache_config_info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            ["block_size", "num_gpu_blocks", "engine"],
+            ["block_size", "num_gpu_blocks", "cache_dtype", "engine"],
             registry=self.registry,
         )
         for engine in self._engines:
             self.cache_config_info.labels(
-                str(info.block_size), str(info.num_kv_blocks), engine
+                str(info.block_size), str(info.num_kv_blocks), info.kv_cache_dtype, engine
             ).set(1)
 
     def update_engine_stats(self, stats: EngineStats, engine: int = 0) -> None:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import msgspec
 
+from nanoserve.common.config import EngineConfig
 from nanoserve.common.protocol import (
     AbortRequests,
     AddRequest,
@@ -33,6 +34,7 @@ IDLE_POLL_S = 0.5  # how long an idle loop blocks on its inbox before checking `
 class ServedEngine(Protocol):
     """What the loop needs of an engine (`nanoserve.core.engine.Engine` is one)."""
 
+    config: EngineConfig
     max_model_len: int
     vocab_size: int
     load_time_s: float  # reading the weights
@@ -143,4 +145,5 @@ def ready_message(
         prepare_time_s=engine.prepare_time_s,
         imports_time_s=imports_time_s,
         setup_time_s=setup_time_s,
+        kv_cache_dtype=engine.config.kv_cache_dtype,
     )

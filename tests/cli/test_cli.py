@@ -82,6 +82,17 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["-dp", "0"], "--data-parallel-size must be ≥ 1, got 0"),
         (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1MiB would hold it"),
+        (["--kv-cache-dtype", "int4"], "--kv-cache-dtype: invalid choice: 'int4'"),
+        (
+            ["--kv-cache-dtype", "fp8", "--compile"],
+            "--kv-cache-dtype fp8 does not combine with --compile; use one of them (or add "
+            "--enforce-eager)",
+        ),
+        (
+            ["--kv-cache-memory", "64KiB", "--max-model-len", "512", "--kv-cache-dtype", "fp8"],
+            "a block of 16 tokens takes 4.0 KiB for this model, and one sequence of "
+            "--max-model-len (512) tokens needs 32 blocks",
+        ),
         (["--generation-config", "/no/such/dir"], "--generation-config /no/such/dir: not a"),
         (
             ["--kv-cache-memory", "256KiB", "--max-model-len", "512", "--dtype", "float32"],

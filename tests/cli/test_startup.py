@@ -70,6 +70,21 @@ def test_the_front_computes_the_workers_block_size(tiny_checkpoint: Path, dtype:
     )
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_the_front_counts_fp8_kv_bytes(tiny_checkpoint: Path, kv_cache_dtype: str) -> None:
+    from nanoserve.engine_setup import build_engine
+
+    config = EngineConfig(
+        model=str(tiny_checkpoint), device="cpu", num_kv_blocks=4, kv_cache_dtype=kv_cache_dtype
+    )
+    engine = build_engine(config)
+    assert kv_block_bytes(config, load_model_config(tiny_checkpoint)) == (
+        engine.kv_cache.block_bytes
+    )
+    bf16 = EngineConfig(model=str(tiny_checkpoint), dtype="bfloat16")
+    assert 2 * engine.kv_cache.block_bytes == kv_block_bytes(bf16, engine.model_config)
+
+
 def test_the_suggested_kv_budget_starts_the_engine(tiny_checkpoint: Path) -> None:
     from nanoserve.core.engine import Engine
 

@@ -15,6 +15,7 @@ from nanoserve.core.attention.reference import ReferenceAttention, build_referen
 from nanoserve.core.loader import load_model
 from nanoserve.core.parallel import TensorParallel
 from nanoserve.distributed.parallel import init_tensor_parallel
+from nanoserve.quantization.kv_cache_fp8 import Fp8KVAttention, KVScales
 
 BLOCK_SIZE = 16
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
@@ -24,13 +25,23 @@ def slot(table: list[int], position: int) -> int:
     return table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
 
 
-def step_logits(checkpoint: str, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Prefill both prompts in one batch, then one decode step; rank 0's logits of both."""
+def step_logits(
+    checkpoint: str, tp: TensorParallel, fp8_kv: bool = False
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Prefill both prompts in one batch, then one decode step; rank 0's logits of both (with
+    `fp8_kv`, each rank's share of the KV cache in FP8, scales 0.5 and 0.25)."""
     model = load_model(EngineConfig(model=checkpoint, dtype="float32", device="cpu"), tp=tp).model
     attention = model.attention_layers()[0]
     shape = (8, BLOCK_SIZE, attention.num_kv_heads, attention.head_dim)
-    for layer in model.attention_layers():
-        layer.bind(torch.zeros(shape), torch.zeros(shape), ReferenceAttention())
+    num_layers, dtype = len(model.attention_layers()), torch.float32
+    backend = ReferenceAttention()
+    if fp8_kv:
+        scales = {layer: {"k": 0.5, "v": 0.25} for layer in range(num_layers)}
+        dtype = torch.float8_e4m3fn
+        backend = Fp8KVAttention(backend, dtype, KVScales(num_layers, torch.device("cpu"), scales))
+    for index, layer in enumerate(model.attention_layers()):
+        caches = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        layer.bind(*caches, backend.for_layer(index))
     tables = [[0, 1], [2, 3]]
     lens = [len(p) for p in PROMPTS]
     slots = [slot(t, i) for t, n in zip(tables, lens, strict=True) for i in range(n)]
@@ -48,19 +59,21 @@ def step_logits(checkpoint: str, tp: TensorParallel) -> tuple[torch.Tensor, torc
     return (prefill, decode) if tp.is_first else None
 
 
-def _rank_main(rank: int, size: int, checkpoint: str, rendezvous: str, out: str) -> None:
+def _rank_main(
+    rank: int, size: int, checkpoint: str, rendezvous: str, out: str, fp8_kv: bool
+) -> None:
     torch.set_num_threads(1)
     tp = init_tensor_parallel(rank, size, rendezvous, torch.device("cpu"))
-    result = step_logits(checkpoint, tp)
+    result = step_logits(checkpoint, tp, fp8_kv)
     if result is not None:
         torch.save(result, out)
     torch.distributed.destroy_process_group()
 
 
-def parallel_logits(checkpoint: Path, size: int, tmp_path: Path):
+def parallel_logits(checkpoint: Path, size: int, tmp_path: Path, fp8_kv: bool = False):
     out = tmp_path / f"logits-{size}.pt"
     rendezvous = f"file://{tmp_path / f'rendezvous-{size}'}"
-    mp.spawn(_rank_main, args=(size, str(checkpoint), rendezvous, str(out)), nprocs=size)
+    mp.spawn(_rank_main, args=(size, str(checkpoint), rendezvous, str(out), fp8_kv), nprocs=size)
     return torch.load(out)
 
 
@@ -77,6 +90,18 @@ def test_tensor_parallel_logits_equal_one_rank(tmp_path, architecture, size):
     for ours, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_an_fp8_kv_cache_equals_one_rank(tmp_path):
+    """Each rank quantizes and reads its own KV heads: the logits are one rank's with FP8."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "model", "qwen3")
+    expected = step_logits(str(checkpoint), TensorParallel(), fp8_kv=True)
+    unquantized = step_logits(str(checkpoint), TensorParallel())
+    got = parallel_logits(checkpoint, 2, tmp_path, fp8_kv=True)
+    for ours, theirs, plain in zip(got, expected, unquantized, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+        assert not torch.allclose(theirs, plain, atol=1e-4)  # FP8 made a difference
 
 
 def test_sizes_that_do_not_divide_the_model_are_named():

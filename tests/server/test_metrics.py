@@ -124,6 +124,7 @@ def test_vllm_metric_set_with_its_types_and_labels(server: InProcessServer) -> N
         "16",
         1,
     )
+    assert info.labels["cache_dtype"] == "auto"
     sleep = {s.labels["sleep_state"]: s.value for s in by_name["vllm:engine_sleep_state"]}
     assert sleep == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
 
@@ -208,6 +209,18 @@ def test_labelled_counters_start_at_zero_for_every_label(server: InProcessServer
         "local_compute", "local_cache_hit", "external_kv_transfer",
     }  # fmt: skip
     assert {s.labels[label] for s in samples} == expected
+
+
+def test_cache_config_info_names_an_fp8_kv_cache() -> None:
+    metrics = ServerMetrics("m")
+    metrics.engine_ready(Ready(1, 64, 300, 10, 16, 0.0, 0.0, 0.0, kv_cache_dtype="fp8"))
+    info = next(
+        s
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+        if s.name == "vllm:cache_config_info"
+    )
+    assert (info.labels["cache_dtype"], info.labels["num_gpu_blocks"]) == ("fp8", "10")
 
 
 def test_request_series_are_labelled_with_the_engine_that_ran_them() -> None:

@@ -18,6 +18,11 @@ class AttentionBackend:
     """Builds a step's attention metadata; writes a layer's keys and values, then attends."""
 
     name = "abstract"
+    kv_cache_dtype: torch.dtype | None = None  # what the pool stores (None: the model's dtype)
+
+    def for_layer(self, index: int) -> AttentionBackend:
+        """The backend layer `index` is bound to: this one, unless it keeps per-layer state."""
+        return self
 
     def build_metadata(self, layout: StepLayout, block_size: int, device: torch.device) -> Any:
         """This backend's metadata of one step, from the step's flat batch."""

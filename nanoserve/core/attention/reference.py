@@ -149,6 +149,8 @@ def write_kv(
 ) -> None:
     """Store each token's key and value in its slot of the pool."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if k_cache.element_size() == 1:  # fp8 (K and V already are): CPU has no fp8 index_copy_
+        k, v, k_cache, v_cache = (t.view(torch.uint8) for t in (k, v, k_cache, v_cache))
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
@@ -203,6 +205,7 @@ def decode_group_attention(
     # index_select copies whole rows: on CPU 3-10x faster than advanced indexing, same values.
     k = k_cache.view(-1, head_dim).index_select(0, flat_rows).view(context_shape)  # [B, Hkv, K, D]
     v = v_cache.view(-1, head_dim).index_select(0, flat_rows).view(context_shape)  # [B, Hkv, K, D]
+    k, v = k.to(query.dtype), v.to(query.dtype)  # a narrower cache (fp8) widens here
     # [B, H, D] -> [B, Hkv, group, D]: query heads grouped under the KV head they share.
     q = query.view(num_requests, num_kv_heads, group, head_dim)
     if num_requests == 1:  # one stream: SDPA's fused kernel is 2-4x the three ops below on CPU
@@ -249,8 +252,8 @@ def prompt_attention(
         q = query[start : start + num_queries]  # [Q_i, H, D]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # [1, H, Q_i, D]
-            k.transpose(0, 1)[None],  # [1, Hkv, K_i, D]
-            v.transpose(0, 1)[None],
+            k.transpose(0, 1)[None].to(q.dtype),  # [1, Hkv, K_i, D], widened from fp8
+            v.transpose(0, 1)[None].to(q.dtype),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,

@@ -4,8 +4,8 @@ our compiled paged-decode kernel (`csrc/decode_attention.cpp`, see `kernels.py`)
 The reference path gathers every decode request's keys and values out of the paged cache, pads
 them to the longest context and runs PyTorch's ops over the copies: at a decode step's sizes
 that costs more in copies and dispatch than in arithmetic. The kernel reads each key and value
-row where it lies in the cache, once for all the query heads that share it, in float32. Prompt
-tokens attend as in the reference backend.
+row where it lies in the cache, once for all the query heads that share it, in float32 (an FP8
+cache's rows widened as they are read). Prompt tokens attend as in the reference backend.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def test_kernel_refuses_a_context_longer_than_its_block_table(kernels):
     too_long[0] = 17  # tables of 4 blocks of 4 slots
     with pytest.raises(RuntimeError, match="a context of 17 keys in 16 slots"):
         kernels.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, too_long, 0.2)
-    with pytest.raises(RuntimeError, match="one dtype"):
+    with pytest.raises(RuntimeError, match="a cache in the query's dtype or FP8"):
         kernels.paged_decode_attention(
             query.bfloat16(), k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.2
         )
@@ -95,3 +95,59 @@ def test_cpu_engines_select_it_unless_the_kernels_are_off(kernels, tmp_path):
     config = EngineConfig(model=str(tmp_path), device="cpu")
     assert isinstance(CpuPaths(config, kernels).attention_backend(None), CpuKernelAttention)
     assert type(CpuPaths(config, None).attention_backend(None)) is ReferenceAttention
+
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_kernel_widens_every_fp8_value_exactly(kernels, cache_dtype):
+    """Each finite FP8 code as a one-key context: attention over one key is its value, so the
+    output is the kernel's widening of that code (16 lanes vectorised, 4 more by the scalar
+    tail), equal to PyTorch's conversion."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[codes.view(cache_dtype).float().isfinite()]
+    head_dim = 20
+    v_cache = codes[:, None, None, None].expand(-1, 1, 1, head_dim).contiguous().view(cache_dtype)
+    k_cache = torch.zeros_like(v_cache)
+    tables = torch.arange(len(codes))[:, None]  # request i reads block i
+    query = torch.ones(len(codes), 1, head_dim)
+    got = kernels.paged_decode_attention(
+        query, k_cache, v_cache, tables, torch.ones(len(codes), dtype=torch.int64), 1.0
+    )
+    assert torch.equal(got[:, 0], v_cache.float()[:, 0, 0, :])
+    # NaN (e4m3fn's 0x7f and 0xff; e5m2's 0x7d-0x7f, 0xfd-0xff) stays NaN.
+    nan_codes = torch.arange(256, dtype=torch.uint8)
+    nan_codes = nan_codes[nan_codes.view(cache_dtype).float().isnan()]
+    v_nan = nan_codes[:, None, None, None].expand(-1, 1, 1, head_dim).contiguous()
+    got = kernels.paged_decode_attention(
+        query[: len(nan_codes)],
+        k_cache[: len(nan_codes)],
+        v_nan.view(cache_dtype),
+        tables[: len(nan_codes)],
+        torch.ones(len(nan_codes), dtype=torch.int64),
+        1.0,
+    )
+    assert got.isnan().all()
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize(
+    ("group", "head_dim", "query_dtype"),
+    [(1, 128, torch.float32), (3, 40, torch.float32), (4, 64, torch.bfloat16)],
+)
+def test_kernel_over_an_fp8_cache_matches_the_eager_decode(
+    kernels, cache_dtype, group, head_dim, query_dtype
+):
+    """Contexts of one key, one full block and across blocks, with holes in the pool; the
+    reference attends over the same FP8 values widened by PyTorch."""
+    query, k_cache, v_cache, meta = decode_step(2, group, head_dim, 4, torch.float32)
+    k_cache, v_cache = (3 * k_cache).to(cache_dtype), (3 * v_cache).to(cache_dtype)
+    query = query.to(query_dtype)
+    got = kernels.paged_decode_attention(
+        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.3
+    )
+    assert got.dtype == query_dtype
+    expected = decode_group_attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.3)
+    tolerance = 1e-5 if query_dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), expected, atol=tolerance * 3, rtol=tolerance)

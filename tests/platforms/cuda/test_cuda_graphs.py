@@ -102,8 +102,21 @@ def test_cpu_engines_capture_no_graphs(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_give_the_eager_steps_tokens(tmp_path, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype", "calculate_kv_scales"),
+    [
+        ("float32", "auto", False),
+        ("bfloat16", "auto", False),
+        ("bfloat16", "fp8", False),
+        # Scales measured on the first prompt step, after the graphs were captured: the graphs
+        # read the scale tensors, updated in place.
+        ("bfloat16", "fp8", True),
+        ("bfloat16", "fp8_e5m2", False),
+    ],
+)
+def test_cuda_graphs_give_the_eager_steps_tokens(
+    tmp_path, dtype, kv_cache_dtype, calculate_kv_scales
+):
     checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
     prompts = [[1 + i] * (3 + 11 * i) for i in range(7)]  # 7 requests: bucket 8, one pad row
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
@@ -118,6 +131,8 @@ def test_cuda_graphs_give_the_eager_steps_tokens(tmp_path, dtype):
                 max_num_seqs=16,
                 gpu_memory_utilization=0.3,
                 enforce_eager=enforce_eager,
+                kv_cache_dtype=kv_cache_dtype,
+                calculate_kv_scales=calculate_kv_scales,
             )
         )
         names = [r.name for r in engine.runner.step_runners]

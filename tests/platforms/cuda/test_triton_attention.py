@@ -41,14 +41,17 @@ def scatter_block_tables(seq_lens: list[int], rng: random.Random) -> tuple[list[
     return tables, num_blocks
 
 
-def make_step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed):
-    """Random queries and caches, and the metadata of one step with these lengths."""
+def make_step(
+    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed, cache_dtype=None
+):
+    """Random queries and caches (in `cache_dtype`, default the queries'), and the metadata of
+    one step with these lengths."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     tables, num_blocks = scatter_block_tables(seq_lens, rng)
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, dtype=dtype, device=DEVICE)
-    v_cache = torch.randn(shape, dtype=dtype, device=DEVICE)
+    k_cache = torch.randn(shape, device=DEVICE).to(cache_dtype or dtype)
+    v_cache = torch.randn(shape, device=DEVICE).to(cache_dtype or dtype)
     slots = [
         table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
         for table, q_len, s_len in zip(tables, query_lens, seq_lens, strict=True)
@@ -65,9 +68,11 @@ def assert_matches_eager(got, query, k_cache, v_cache, meta, scale):
     torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[query.dtype], rtol=0)
 
 
-def check_decode(seq_lens, num_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
+def check_decode(
+    seq_lens, num_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0, cache_dtype=None
+):
     query, k_cache, v_cache, meta = make_step(
-        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed
+        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed, cache_dtype
     )
     max_blocks = meta.block_tables.shape[1]
     for num_splits in {1, 2, num_decode_splits(len(seq_lens), num_kv_heads, max_blocks)}:
@@ -79,9 +84,11 @@ def check_decode(seq_lens, num_heads, num_kv_heads, head_dim, dtype=torch.float3
         assert_matches_eager(got, query, k_cache, v_cache, meta, 0.125)
 
 
-def check_prefill(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+def check_prefill(
+    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, cache_dtype=None
+):
     query, k_cache, v_cache, meta = make_step(
-        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed
+        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed, cache_dtype
     )
     out = torch.full_like(query, float("nan"))
     got = ragged_prefill_attention(
@@ -119,6 +126,57 @@ def test_prefill_attention_over_a_ragged_mixed_batch(group, head_dim):
 
 def test_prefill_attention_in_bf16():
     check_prefill([5, 16, 17], [5, 40, 17], 4, 2, 64, torch.bfloat16)
+
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize(("dtype", "group"), [(torch.float32, 1), (torch.bfloat16, 4)])
+def test_decode_attention_over_an_fp8_cache(cache_dtype, dtype, group):
+    """FP8 keys and values widen exactly: the result is the attention over their values."""
+    seq_lens = [1, BLOCK_SIZE, BLOCK_SIZE + 1, MAX_MODEL_LEN]
+    check_decode(seq_lens, 2 * group, 2, 64, dtype, cache_dtype=cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_prefill_attention_over_an_fp8_cache(cache_dtype):
+    query_lens, seq_lens = [1, 16, 20, 17], [1, 16, 52, 17]
+    check_prefill(query_lens, seq_lens, 4, 2, 64, torch.bfloat16, cache_dtype=cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_store_kv_copies_fp8_bytes_and_skips_padding(cache_dtype):
+    shape = (4, BLOCK_SIZE, 2, 64)
+    k_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+    v_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+    k = (8 * torch.randn(3, 2, 64, device=DEVICE)).to(cache_dtype)
+    v = (8 * torch.randn(3, 2, 64, device=DEVICE)).to(cache_dtype)
+    store_kv(k, v, k_cache, v_cache, torch.tensor([5, 63, -1], device=DEVICE))
+    flat_k, flat_v = k_cache.view(-1, 2, 64).view(torch.uint8), v_cache.view(-1, 2, 64)
+    assert torch.equal(flat_k[[5, 63]], k[:2].view(torch.uint8))
+    assert torch.equal(flat_v.view(torch.uint8)[[5, 63]], v[:2].view(torch.uint8))
+    assert flat_k.sum(dtype=torch.int64) == k[:2].view(torch.uint8).sum(dtype=torch.int64)
+
+
+def test_triton_backend_behind_the_fp8_wrapper_matches_the_reference():
+    """Fp8KVAttention around Triton and around the reference: the same cache bytes, the same
+    attention (scales not 1.0: queries and outputs are scaled around the kernels)."""
+    from nanoserve.core.attention.reference import ReferenceAttention
+    from nanoserve.quantization.kv_cache_fp8 import Fp8KVAttention, KVScales
+
+    fp8 = torch.float8_e4m3fn
+    scales = KVScales(1, DEVICE, {0: {"k": 0.05, "v": 0.02}})
+    query, k_cache, v_cache, meta = make_step([1, 9], [17, 9], 4, 2, 64, torch.float32, 3, fp8)
+    new_k, new_v = 3 * torch.randn(10, 2, 64, device=DEVICE), torch.randn(10, 2, 64, device=DEVICE)
+    outputs, caches = [], []
+    for inner in (TritonAttention(num_kv_heads=2), ReferenceAttention()):
+        backend = Fp8KVAttention(inner, fp8, scales).for_layer(0)
+        k_pool, v_pool = k_cache.clone(), v_cache.clone()
+        outputs.append(backend.forward(query, new_k, new_v, k_pool, v_pool, meta, 0.2))
+        caches.append((k_pool.view(torch.uint8), v_pool.view(torch.uint8)))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=0)
 
 
 def test_store_kv_writes_each_slot_and_nothing_else():

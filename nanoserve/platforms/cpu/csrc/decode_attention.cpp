@@ -6,7 +6,8 @@
 // offset j % block_size), so nothing is gathered or padded first; everything is computed in
 // float32. One task per (request, KV head) computes the query heads that share that KV head
 // (grouped-query attention): each key and value row is read once for all of them. Tasks are
-// split across torch's intra-op threads. Caller: attention/cpu_kernel.py.
+// split across torch's intra-op threads. An FP8 cache is widened to float32 as it is read
+// (simd.h). Caller: platforms/cpu/attention.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -146,7 +147,8 @@ struct CacheRows {
   }
 };
 
-template <typename T>
+// T: the query's and output's type; C: the cache's (T, or FP8 widened as it is read).
+template <typename T, typename C>
 static void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                    at::Tensor& out) {
@@ -154,8 +156,8 @@ static void attend(const at::Tensor& query, const at::Tensor& k_cache, const at:
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
   const int64_t max_blocks = block_tables.size(1);
   const T* q = query.data_ptr<T>();
-  const T* k = k_cache.data_ptr<T>();
-  const T* v = v_cache.data_ptr<T>();
+  const C* k = reinterpret_cast<const C*>(k_cache.data_ptr());
+  const C* v = reinterpret_cast<const C*>(v_cache.data_ptr());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* o = out.data_ptr<T>();
@@ -186,14 +188,30 @@ static void attend(const at::Tensor& query, const at::Tensor& k_cache, const at:
   });
 }
 
-// query [B, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] and
+// attend<T, C> for the cache's dtype C: the query's, or FP8.
+template <typename T>
+static void attend_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& tables, const at::Tensor& lens, double scale,
+                         at::Tensor& out) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return attend<T, at::Float8_e4m3fn>(q, k_cache, v_cache, tables, lens, scale, out);
+    case at::kFloat8_e5m2:
+      return attend<T, at::Float8_e5m2>(q, k_cache, v_cache, tables, lens, scale, out);
+    default:
+      TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "a cache in the query's dtype or FP8");
+      return attend<T, T>(q, k_cache, v_cache, tables, lens, scale, out);
+  }
+}
+
+// query [B, H, D]; caches [num_blocks, block_size, Hkv, D] in the query's dtype or FP8 (e4m3fn,
+// e5m2: the values as stored; their scales are the caller's); block_tables [B, max_blocks] and
 // seq_lens [B] int64 -> [B, H, D] in query's dtype (bf16 or float32).
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
-              k_cache.scalar_type() == v_cache.scalar_type(), "one dtype for q, k and v");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "one dtype for k and v");
   TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
   TORCH_CHECK(block_tables.size(0) == query.size(0) && seq_lens.numel() == query.size(0));
@@ -207,10 +225,10 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tens
   auto q = query.contiguous();
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
-    attend<at::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out);
+    attend_cache<at::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "bf16 or float32 only");
-    attend<float>(q, k_cache, v_cache, tables, lens, scale, out);
+    attend_cache<float>(q, k_cache, v_cache, tables, lens, scale, out);
   }
   return out;
 }

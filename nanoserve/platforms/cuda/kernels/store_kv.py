@@ -1,4 +1,8 @@
-"""Write this step's keys and values into their slots of the paged KV cache."""
+"""Write this step's keys and values into their slots of the paged KV cache.
+
+The keys and values come in the cache's dtype: an FP8 cache's are quantized before
+(`quantization/kv_cache_fp8.py`), so this is a copy of bytes whatever the dtype.
+"""
 
 from __future__ import annotations
 
