@@ -146,10 +146,11 @@ class OutputProcessor:
             choice.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             choice.prompt_logprobs = [None, *map(self.decode_logprobs, delta.prompt_logprobs)]
-        choice.token_ids.extend(delta.new_token_ids)
-        logprobs = [self.decode_logprobs(entry) for entry in delta.logprobs or []]
+        text, new_token_ids = self._detokenize(choice, delta.new_token_ids)
+        choice.token_ids.extend(new_token_ids)
+        entries = (delta.logprobs or [])[: len(new_token_ids)]
+        logprobs = [self.decode_logprobs(entry) for entry in entries]
         choice.logprobs.extend(logprobs)
-        text = choice.detokenizer.update(delta.new_token_ids)
         needs_abort = False
         if choice.detokenizer.stop_reason is not None:
             choice.finish_reason, choice.stop_reason = "stop", choice.detokenizer.stop_reason
@@ -159,9 +160,23 @@ class OutputProcessor:
             choice.finish_reason = str(FinishReason(delta.finish_reason))
             choice.stop_reason = delta.stop_reason
         choice.text += text
-        return ChoiceUpdate(
-            choice, text, list(delta.new_token_ids), logprobs, is_first, needs_abort
-        )
+        return ChoiceUpdate(choice, text, new_token_ids, logprobs, is_first, needs_abort)
+
+    @staticmethod
+    def _detokenize(choice: ChoiceState, token_ids: list[int]) -> tuple[str, list[int]]:
+        """The text of a delta's tokens, and the tokens the choice keeps: with stop strings,
+        a delta of several tokens (speculative decoding, or a reader behind) is read token
+        by token and ends at the one that completes a stop string, as one token at a time
+        would have."""
+        detokenizer = choice.detokenizer
+        if len(token_ids) <= 1 or not detokenizer.has_stop_strings:
+            return detokenizer.update(token_ids), list(token_ids)
+        text = ""
+        for count, token_id in enumerate(token_ids, start=1):
+            text += detokenizer.update([token_id])
+            if detokenizer.stop_reason is not None:
+                return text, list(token_ids[:count])
+        return text, list(token_ids)
 
     def decode_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
         """The engine's logprobs of one position, with the text of every token named."""

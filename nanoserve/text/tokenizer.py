@@ -165,6 +165,10 @@ class IncrementalDetokenizer:
             self._emitted_parts = ["".join(self._emitted_parts)]
         return self._emitted_parts[0] if self._emitted_parts else ""
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stops)
+
     def update(self, new_token_ids: list[int]) -> str:
         """Add newly generated tokens; return the text that is now safe to show."""
         if self._is_flushed:

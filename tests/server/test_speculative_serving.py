@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import serving_in_process
 from servers import InProcessServer, read_metrics
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}'
@@ -18,14 +17,16 @@ PROMPT = "The cycle: "
 
 @pytest.fixture(scope="module")
 def plain(cycle_model: Path, tmp_path_factory) -> Iterator[InProcessServer]:
-    with serving_in_process(cycle_model, tmp_path_factory, "--served-model-name", "m") as server:
+    log = tmp_path_factory.mktemp("plain") / "server.log"
+    with InProcessServer(cycle_model, log, "--served-model-name", "m") as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def speculative(cycle_model: Path, tmp_path_factory) -> Iterator[InProcessServer]:
+    log = tmp_path_factory.mktemp("speculative") / "server.log"
     flags = ("--served-model-name", "m", "--speculative-config", NGRAM)
-    with serving_in_process(cycle_model, tmp_path_factory, *flags) as server:
+    with InProcessServer(cycle_model, log, *flags) as server:
         yield server
 
 

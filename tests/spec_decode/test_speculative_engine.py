@@ -177,3 +177,14 @@ def test_constrained_requests_draft_within_their_grammar(checkpoint):
             and set(text) <= set("abcd")
             and all(text[i : i + 2] in ("ab", "cd") for i in range(0, len(text) - 1, 2))
         )
+
+
+def test_an_fp8_kv_cache_verifies_drafts_as_it_decodes(checkpoint):
+    """Speculation over an FP8 KV cache gives the FP8 cache's own greedy tokens."""
+    outputs = []
+    for proposer in (None, "ngram"):
+        engine = make_engine(checkpoint, proposer, kv_cache_dtype="fp8")
+        outputs.append(run_checked(engine, prompts(), greedy()))
+    assert outputs[0] == outputs[1]
+    stats = engine.stats().spec_decode
+    assert stats is not None and stats.num_accepted_tokens > 0
