@@ -9,6 +9,7 @@ from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.core.step_layout import StepLayout
 from nanoserve.engine_setup import build_engine
 from nanoserve.platforms.cuda.cuda_graphs import (
@@ -146,3 +147,51 @@ def test_cuda_graphs_give_the_eager_steps_tokens(
         return [tokens[str(i)] for i in range(len(prompts))]
 
     assert run(enforce_eager=False) == run(enforce_eager=True)
+
+
+@pytest.mark.gpu
+def test_verify_steps_replay_the_decode_graphs_and_keep_greedy_tokens(tmp_path):
+    """A verify step (k + 1 single-query rows per request) fits a decode bucket: drafts are
+    verified by graph replays, and greedy output equals the plain eager engine's."""
+    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
+    prompts = [[5, 6, 7] * 6, [9] * 12, [3, 4] * 9]
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    spec = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    )
+
+    def run(enforce_eager: bool, speculative_config) -> tuple[list[list[int]], int]:
+        engine = build_engine(
+            EngineConfig(
+                model=str(checkpoint),
+                device="cuda",
+                dtype="float32",
+                max_model_len=256,
+                max_num_seqs=16,
+                gpu_memory_utilization=0.3,
+                enforce_eager=enforce_eager,
+                speculative_config=speculative_config,
+            )
+        )
+        graphs = [r for r in engine.runner.step_runners if r.name == "cuda-graphs"]
+        replays = 0
+        if graphs:
+            original = graphs[0].run
+
+            def counted(layout):
+                nonlocal replays
+                replays += any(layout.draft_token_ids)
+                return original(layout)
+
+            graphs[0].run = counted  # type: ignore[method-assign]
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens[delta.request_id].extend(delta.new_token_ids)
+        return [tokens[str(i)] for i in range(len(prompts))], replays
+
+    speculative, num_verify_replays = run(False, spec)
+    assert speculative == run(True, None)[0]
+    assert num_verify_replays > 0
