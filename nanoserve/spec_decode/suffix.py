@@ -7,8 +7,8 @@ and output so far, grown one token at a time) and a global one of earlier reques
 the trie holds, walk down the most frequent child while the product of the
 children's shares (an estimate of the chance the draft is still right) stays at or above
 `min_token_prob`; the draft may be as long as `max_spec_factor` times the matched length (and
-`num_speculative_tokens`). In each trie the longest suffix with a likely continuation drafts;
-of the two drafts, the one that expects more accepted tokens wins.
+`num_speculative_tokens`). Every match length is tried, and of all the drafts (both tries) the
+one that expects the most accepted tokens wins.
 """
 
 from __future__ import annotations
@@ -49,21 +49,25 @@ class SuffixTrie:
     def draft(
         self, context: list[int], max_tokens: int, factor: float, min_prob: float
     ) -> tuple[list[int], float]:
-        """The draft of the longest suffix of `context` that continues in the trie, and its
-        score: the expected number of accepted tokens (the sum of its running probabilities).
+        """The best draft over every match length of `context`'s suffix, and its score.
+
+        Each suffix of `context` found in the trie drafts its most frequent continuation; the
+        score is the draft's expected number of accepted tokens (the sum of its running
+        probabilities), and the highest wins (ties: the longer match).
         """
+        best: tuple[list[int], float] = ([], 0.0)
         context = context[-self.max_depth :]
-        for match_len in range(len(context), 0, -1):
+        for match_len in range(1, len(context) + 1):
             node: TrieNode | None = self.root
             for token_id in context[-match_len:]:
                 node = node.children.get(token_id) if node is not None else None
             if node is None:
-                continue
+                break  # no longer suffix can match either
             limit = min(max_tokens, int(factor * match_len))
             draft, score = self._follow(node, limit, min_prob)
-            if draft:
-                return draft, score
-        return [], 0.0
+            if score >= best[1] and draft:
+                best = (draft, score)
+        return best
 
     @staticmethod
     def _follow(node: TrieNode, limit: int, min_prob: float) -> tuple[list[int], float]:
