@@ -9,11 +9,13 @@ Part 1, on the demo model (real weights, so acceptance means something), in-proc
     edit          a code-editing request: the prompt holds a Python module of this repository
                   (its first ~300 tokens), then asks for the same module with a name changed
                   and starts it; greedy, as long as the module
-    no-repeat     a short prompt sampled at temperature 1.0: output that repeats nothing
+    no-repeat     a short prompt sampled at temperature 1.0 for 500 tokens: output that repeats
+                  nothing
     autocomplete  ~10-token greedy completions of a module's first lines: time to first token
 
-At each concurrency (requests submitted together) it reports output tok/s, the ratio to no
-speculation, and per proposer the draft acceptance rate and mean acceptance length.
+At each concurrency (requests submitted together; each measurement is --repeats such batches of
+different prompts) it reports output tok/s, the ratio to no speculation, and per proposer the
+draft acceptance rate and mean acceptance length.
 
 Part 2, the cost side of a draft model, where only random-weight shapes exist offline: the
 time of one engine step of `--cost-shape` (dummy weights, one request with a 512-token
@@ -113,11 +115,17 @@ def part_one(args: argparse.Namespace) -> list[str]:
     for round_index in range(args.rounds):
         for workload in ("edit", "no-repeat"):
             for concurrency in args.concurrency:
-                prompts, temperature = workload_prompts(llms["none"], workload, concurrency)
+                batches = [
+                    workload_prompts(llms["none"], workload, concurrency, offset)
+                    for offset in range(args.repeats)
+                ]
                 for name in _rotated(list(ARMS), round_index):
                     llm = llms[name]
                     before = llm.engine.stats().spec_decode
-                    num_tokens, elapsed = run_batch(llm, prompts, temperature)
+                    num_tokens, elapsed = 0, 0.0
+                    for prompts, temperature in batches:
+                        tokens, seconds = run_batch(llm, prompts, temperature)
+                        num_tokens, elapsed = num_tokens + tokens, elapsed + seconds
                     rate, length = acceptance(llm, before)
                     results.setdefault((workload, concurrency, name), []).append(
                         (num_tokens, elapsed, rate, length)
@@ -131,13 +139,15 @@ def part_one(args: argparse.Namespace) -> list[str]:
     return throughput_table(results) + [""] + ttft_table(llms)
 
 
-def workload_prompts(llm: LLM, workload: str, concurrency: int):
-    """The prompts (with max_tokens) and temperature of one workload."""
+def workload_prompts(llm: LLM, workload: str, concurrency: int, offset: int = 0):
+    """The prompts (with max_tokens) and temperature of one workload (`offset`: another
+    batch of the same workload)."""
     if workload == "edit":
-        return edit_prompts(llm, concurrency), 0.0
-    rng = random.Random(concurrency)
+        prompts = edit_prompts(llm, concurrency + offset)
+        return prompts[offset:], 0.0
+    rng = random.Random(1000 * offset + concurrency)
     words = ["data", "value", "x", "(", ")", "=", "+", "\n", "for", "in"]
-    return [(" ".join(rng.choice(words) for _ in range(30)), 200)] * concurrency, 1.0
+    return [(" ".join(rng.choice(words) for _ in range(30)), 500)] * concurrency, 1.0
 
 
 def throughput_table(results: dict) -> list[str]:
@@ -211,6 +221,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--repeats", type=int, default=3, help="batches per measurement")
     parser.add_argument("--cost-shape", default="Qwen/Qwen3-0.6B")
     parser.add_argument("--cost-steps", type=int, default=8)
     parser.add_argument("--skip-cost", action="store_true")

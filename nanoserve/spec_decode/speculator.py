@@ -14,8 +14,9 @@ When to draft (speculation must never make a workload meaningfully slower):
   to the power j, and a verified token costs a share of a step (on a 2-core CPU a step of 4
   tokens of the 0.6B shape takes ~1.7x a one-token step), so a request drafts the tokens whose
   chance is at least `MIN_DRAFT_CHANCE` (0.3): all k at a chance of 0.9, one at 0.5.
-- None for a request whose single next draft is below that chance: it pauses (8 steps,
-  doubling each time it fails again, up to 256), then tries one draft again. A proposer that
+- None for a request whose single next draft is below that chance: it pauses (16 steps,
+  doubling each time it fails again, up to 512, until its drafts hold at 0.6 or better),
+  then tries one draft again. A proposer that
   finds nothing to draft (no n-gram match) costs nothing.
 
 Metrics (vLLM's spec_decode counters) and a log line every `LOG_INTERVAL_S` with the
@@ -44,7 +45,8 @@ logger = logging.getLogger("nanoserve.spec_decode")
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 MIN_DRAFT_CHANCE = 0.3  # a draft token is worth verifying when it is this likely accepted
 CHANCE_DECAY = 0.7  # the weight of a request's earlier steps in its acceptance estimate
-FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 8, 256
+FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 16, 512
+TRUSTED_DRAFT_CHANCE = 0.6  # a request whose drafts hold this well starts its pauses over
 LOG_INTERVAL_S = 10.0
 
 
@@ -90,7 +92,8 @@ class DraftHistory:
         self.num_accepted = CHANCE_DECAY * self.num_accepted + num_accepted
         self.num_trials = CHANCE_DECAY * self.num_trials + num_accepted + rejected
         if self.draft_chance >= MIN_DRAFT_CHANCE:
-            self.next_pause = FIRST_PAUSE_STEPS
+            if self.draft_chance >= TRUSTED_DRAFT_CHANCE:
+                self.next_pause = FIRST_PAUSE_STEPS
             return
         self.pause_steps = self.next_pause
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
