@@ -266,6 +266,8 @@ def bench_moe(model_dir: Path, device: torch.device, seed: int, bandwidth_gb_s: 
     run = run_engine(engine, random_prompts(32, PROMPT_LEN, seed + 10), OUTPUT_LEN)
     result["throughput_tok_s_32"] = 32 * OUTPUT_LEN / run["total_s"]
     log(f"MoE: {result['single_stream_tok_s']:.0f} tok/s one stream ({result['moe_method']})")
+    del engine
+    return result
 
 
 def bench_fp8_kv(model_dir: Path, device: torch.device, seed: int) -> dict:
