@@ -22,10 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from playwright.sync_api import sync_playwright
 from servers import API_KEY, InProcessServer, ServerProcess, read_metrics
 from tiny_checkpoints import make_tiny_checkpoint
-
-playwright_api = pytest.importorskip("playwright.sync_api")  # a dev extra: always there in CI
 
 VIEWPORT = {"width": 1000, "height": 600}
 TIMEOUT_MS = 60_000
@@ -50,7 +49,7 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def browser(chromium: str) -> Iterator[object]:
-    with playwright_api.sync_playwright() as playwright:
+    with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=chromium,
             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
