@@ -49,7 +49,8 @@ def test_decode_steps_take_the_gemv_and_equal_the_grouped_method(num_tokens):
 
 def test_the_engine_installs_it_for_bf16_models(tmp_path):
     kernels = load_cpu_kernels()
-    if kernels is None or not kernels.bf16_gemv_is_vectorized():
+    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
+    if not kernels.bf16_gemv_is_vectorized():
         pytest.skip("needs a CPU with AVX512-BF16 (the GEMV's instructions)")
     checkpoint = make_tiny_checkpoint(tmp_path, "mixtral")
     config = EngineConfig(model=str(checkpoint), device="cpu", dtype="bfloat16", max_model_len=64)
