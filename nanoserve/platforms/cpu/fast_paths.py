@@ -31,7 +31,7 @@ from nanoserve.platforms.cpu.attention import CpuKernelAttention
 from nanoserve.platforms.cpu.compiled import CompiledCpuAttention, CompiledDecodeRunner
 from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
-from nanoserve.platforms.cpu.linear import install_packed_linears
+from nanoserve.platforms.cpu.linear import install_cpu_linears
 from nanoserve.platforms.cpu.threads import GovernedRunner, ThreadGovernor
 
 
@@ -45,7 +45,7 @@ class CpuPaths:
     def prepare_model(self, model: CausalLM) -> None:
         """Packed weights for the linears still plain (after any quantization), fused ops."""
         # The compiled one-token products stream the plain weights: keep them too.
-        install_packed_linears(model, keep_plain_weights=self.compiled)
+        install_cpu_linears(model, keep_plain_weights=self.compiled)
         if self.kernels is not None:
             install_layer_ops(model, FusedCpuOps(self.kernels))
 

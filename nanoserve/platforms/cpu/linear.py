@@ -16,15 +16,22 @@ by it. Under torch.compile it is called through the `nanoserve::packed_linear` c
 inductor treats it as one extern kernel. With `--compile`, one-token products instead stream the
 plain weight as a float32 reduction (`one_token_linear`), which inductor fuses with its
 neighbours; the plain weight is then kept beside the packed one.
+
+oneDNN packs bf16 weights only on CPUs with AVX-512 (or AVX-NE-CONVERT); most laptops have
+AVX2 alone. There `F.linear` on bf16 runs several times slower than on float32, so
+`WideningLinearMethod` keeps the bf16 weight (half the memory, half the bytes a decode step
+streams through the GEMV) and widens it to float32 for the products of larger batches.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.core.layers.linear import DENSE, Linear, LinearMethod
@@ -41,15 +48,35 @@ GEMV_MAX_ROWS = 4
 Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ([T, in], [out, in]) -> [T, out]
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """True for a bf16 weight on CPU when this torch build has oneDNN's packed linear."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
+# Fewest tokens for which a product widens its bf16 weight to float32 (WideningLinearMethod):
+# below it, bf16 `F.linear` costs less than the widening.
+WIDEN_MIN_ROWS = 16
+
+
+@functools.cache
+def packing_works() -> bool:
+    """True when this torch build's oneDNN packs bf16 weights on this CPU (it needs AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT; asked by packing a small weight, not by reading flags)."""
+    if not (
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    try:
+        pack(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, ..."
+        return False
+    return True
+
+
+def is_bf16_cpu(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """True for a bf16 weight on CPU when oneDNN can pack it here."""
+    return is_bf16_cpu(weight) and packing_works()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> opaque MKLDNN [out, in]
@@ -109,6 +136,25 @@ class PackedLinearMethod(LinearMethod):
         return packed_linear(x, cast(torch.Tensor, layer.packed_weight), layer.bias)
 
 
+class WideningLinearMethod(LinearMethod):
+    """bf16 weights on a CPU without oneDNN's bf16 packing: decode steps stream the bf16 weight
+    (the compiled GEMV where built), products of `WIDEN_MIN_ROWS` tokens or more widen it to
+    float32 first (float32 sums either way, one rounding to bf16)."""
+
+    def __init__(self, gemv: Gemv | None) -> None:
+        self.gemv = gemv
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        rows = x.shape[0]
+        if self.gemv is not None and 1 <= rows <= GEMV_MAX_ROWS:
+            out = self.gemv(x, layer.weight)
+            return out if layer.bias is None else out + layer.bias
+        if rows < WIDEN_MIN_ROWS or torch.compiler.is_compiling():
+            return F.linear(x, layer.weight, layer.bias)
+        bias = None if layer.bias is None else layer.bias.float()
+        return F.linear(x.float(), layer.weight.float(), bias).to(x.dtype)
+
+
 def decode_gemv() -> Gemv | None:
     """The compiled bf16 GEMV where it is built with this CPU's bf16 dot instructions."""
     kernels = load_cpu_kernels()
@@ -117,22 +163,32 @@ def decode_gemv() -> Gemv | None:
     return cast(Gemv, kernels.bf16_gemv)
 
 
-def install_packed_linears(model: nn.Module, keep_plain_weights: bool) -> int:
-    """Switch every packable Linear of `model` to packed weights; returns how many."""
+def install_cpu_linears(model: nn.Module, keep_plain_weights: bool) -> int:
+    """Give every plain bf16 Linear of `model` the CPU's method: packed weights where oneDNN
+    packs them here, else widened products. Returns how many layers changed."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    packable = [m for m in layers if m.method is DENSE and can_pack(m.weight)]
-    method = PackedLinearMethod(keep_plain_weights, decode_gemv() if packable else None)
-    for layer in packable:
+    bf16 = [m for m in layers if m.method is DENSE and is_bf16_cpu(m.weight)]
+    if not bf16:
+        return 0
+    gemv = decode_gemv()
+    method: LinearMethod
+    if packing_works():
+        method = PackedLinearMethod(keep_plain_weights, gemv)
+        how = "packed for oneDNN"
+    else:
+        method = WideningLinearMethod(gemv)
+        how = "kept in bf16 (this CPU's oneDNN cannot pack them), widened for large batches"
+    for layer in bf16:
         layer.method = method
         method.process_weights(layer)
-    if packable:
-        logger.info(
-            "packed %d of %d linear weights for oneDNN; decode steps by %s",
-            len(packable),
-            len(layers),
-            "the compiled GEMV" if method.gemv else "the packed product",
-        )
-    return len(packable)
+    logger.info(
+        "%d of %d linear weights %s; decode steps by %s",
+        len(bf16),
+        len(layers),
+        how,
+        "the compiled GEMV" if gemv else "the packed product" if packing_works() else "F.linear",
+    )
+    return len(bf16)
 
 
 @torch.library.custom_op("nanoserve::packed_linear", mutates_args=())

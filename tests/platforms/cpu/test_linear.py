@@ -1,5 +1,9 @@
-"""The CPU linear method: oneDNN-packed weights give F.linear's numbers, eager and compiled;
-decode steps stream the plain weight through the compiled GEMV."""
+"""The CPU linear methods: oneDNN-packed weights give F.linear's numbers, eager and compiled;
+decode steps stream the plain weight through the compiled GEMV; on a CPU whose oneDNN cannot
+pack bf16 (no AVX-512) the weights stay bf16 and large products widen them to float32.
+
+The packed method's tests need a CPU that packs; the widening method's run on every CPU (a
+packing CPU is told it cannot)."""
 
 import random
 
@@ -9,20 +13,32 @@ import torch.nn.functional as F
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.common.cpu_features import cpu_flags
 from nanoserve.core.layers.linear import DENSE, Linear
 from nanoserve.platforms.cpu import linear as cpu_linear
 from nanoserve.platforms.cpu.linear import (
     GEMV_MAX_ROWS,
+    WIDEN_MIN_ROWS,
     PackedLinearMethod,
+    WideningLinearMethod,
     decode_gemv,
-    install_packed_linears,
+    install_cpu_linears,
     one_token_linear,
+    packing_works,
+)
+
+needs_packing = pytest.mark.skipif(
+    not packing_works(), reason="this CPU's oneDNN cannot pack bf16 weights (needs AVX-512)"
 )
 
 
-def test_this_torch_build_can_pack_bf16_cpu_weights():
-    """The CPU wheels the project installs have oneDNN; without it every test below would fail."""
-    assert cpu_linear.can_pack(torch.zeros(1, dtype=torch.bfloat16))
+def test_packing_is_asked_of_onednn_and_matches_the_cpu():
+    """oneDNN packs bf16 where the CPU has AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT."""
+    flags = set(cpu_flags() or [])
+    expected = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    assert packing_works() == expected
+    assert cpu_linear.can_pack(torch.zeros(1, dtype=torch.bfloat16)) == expected
+    assert not cpu_linear.can_pack(torch.zeros(1))  # float32 never
 
 
 def _linear(bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
@@ -38,10 +54,11 @@ def without_gemv(monkeypatch):
     monkeypatch.setattr(cpu_linear, "decode_gemv", lambda: None)
 
 
+@needs_packing
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear_bit_for_bit(bias, without_gemv):
     layer, weight, bias_values = _linear(bias)
-    assert install_packed_linears(layer, keep_plain_weights=False) == 1
+    assert install_cpu_linears(layer, keep_plain_weights=False) == 1
     assert isinstance(layer.method, PackedLinearMethod)
     assert layer.weight is None and layer.packed_weight is not None
     for num_tokens in (1, 3, 17):
@@ -50,14 +67,16 @@ def test_packed_linear_equals_f_linear_bit_for_bit(bias, without_gemv):
 
 
 def test_this_machine_has_the_decode_gemv():
-    """The CI image's CPU has AVX512-BF16; without it the test below would test nothing new."""
+    """The kernels have a SIMD GEMV for AVX512-BF16 and for AVX2; without one the tests that
+    stream weights through it would test nothing new."""
     assert decode_gemv() is not None
 
 
+@needs_packing
 @pytest.mark.parametrize("bias", [False, True])
 def test_decode_steps_stream_the_plain_weight_through_the_gemv(bias):
     layer, weight, bias_values = _linear(bias)
-    install_packed_linears(layer, keep_plain_weights=False)
+    install_cpu_linears(layer, keep_plain_weights=False)
     assert layer.method.gemv is not None
     assert layer.weight is not None and layer.packed_weight is not None  # both kept
     gemv, rows_seen = layer.method.gemv, []
@@ -72,9 +91,10 @@ def test_decode_steps_stream_the_plain_weight_through_the_gemv(bias):
     assert rows_seen == [1, GEMV_MAX_ROWS]
 
 
+@needs_packing
 def test_packed_linear_under_torch_compile(without_gemv):
     layer, weight, _ = _linear(bias=False)
-    install_packed_linears(layer, keep_plain_weights=False)
+    install_cpu_linears(layer, keep_plain_weights=False)
     compiled = torch.compile(lambda x: layer(x * 2.0) + 1.0, dynamic=True)
     with torch.inference_mode():
         for num_tokens in (1, 5):
@@ -85,10 +105,11 @@ def test_packed_linear_under_torch_compile(without_gemv):
 
 def test_only_bf16_cpu_weights_are_packed():
     layer = Linear(8, 4, bias=False)  # float32
-    assert install_packed_linears(layer, keep_plain_weights=False) == 0
+    assert install_cpu_linears(layer, keep_plain_weights=False) == 0
     assert layer.weight is not None and layer.method is DENSE
 
 
+@needs_packing
 def test_engine_packs_bf16_weights_and_generates_the_same_tokens(
     tmp_path, monkeypatch, without_gemv
 ):
@@ -116,6 +137,7 @@ def test_engine_decodes_through_the_gemv_and_keeps_the_plain_weights(tmp_path):
     llm = LLM(checkpoint, dtype="bfloat16")
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert all(m.method.gemv is not None and m.weight is not None for m in linears)
+    assert all(isinstance(m.method, PackedLinearMethod) == packing_works() for m in linears)
     gemv, rows_seen = linears[0].method.gemv, []
     linears[0].method.gemv = lambda x, w: rows_seen.append(len(x)) or gemv(x, w)
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
@@ -124,6 +146,7 @@ def test_engine_decodes_through_the_gemv_and_keeps_the_plain_weights(tmp_path):
     assert 2 in rows_seen and max(rows_seen) <= GEMV_MAX_ROWS  # decode steps, not prefills
 
 
+@needs_packing
 @pytest.mark.slow
 def test_compiled_decode_keeps_the_plain_weight_for_one_token_steps(tmp_path):
     checkpoint = make_tiny_checkpoint(tmp_path, "llama")
@@ -141,3 +164,57 @@ def test_one_token_linear_matches_f_linear():
     x, weight, bias = torch.randn(1, 48), torch.randn(40, 48), torch.randn(40)
     torch.testing.assert_close(one_token_linear(x, weight, bias), F.linear(x, weight, bias))
     torch.testing.assert_close(one_token_linear(x, weight, None), F.linear(x, weight))
+
+
+# ---- a CPU whose oneDNN cannot pack bf16 (AVX2 only: most laptops) ----
+
+
+@pytest.fixture
+def cannot_pack(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "packing_works", lambda: False)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_widened_products_equal_f_linear_in_float32(bias, cannot_pack):
+    layer, weight, bias_values = _linear(bias)
+    assert install_cpu_linears(layer, keep_plain_weights=False) == 1
+    assert isinstance(layer.method, WideningLinearMethod)
+    assert layer.weight is not None and getattr(layer, "packed_weight", None) is None
+    for num_tokens in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, WIDEN_MIN_ROWS, 70):
+        x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
+        wide = F.linear(
+            x.float(), weight.float(), None if bias_values is None else bias_values.float()
+        )
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, 40)
+        # float32 sums of exact bf16 products, rounded once to bf16 (the GEMV adds in another order)
+        torch.testing.assert_close(got.float(), wide, atol=1e-3, rtol=2**-7)
+        if num_tokens >= WIDEN_MIN_ROWS:
+            assert torch.equal(got, wide.to(torch.bfloat16))
+
+
+def test_widening_decode_steps_stream_the_bf16_weight_through_the_gemv(cannot_pack):
+    layer, _, _ = _linear(bias=False)
+    install_cpu_linears(layer, keep_plain_weights=False)
+    assert layer.method.gemv is not None
+    gemv, rows_seen = layer.method.gemv, []
+    layer.method.gemv = lambda x, w: rows_seen.append(len(x)) or gemv(x, w)
+    for num_tokens in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, WIDEN_MIN_ROWS):
+        layer(torch.randn(num_tokens, 48, dtype=torch.bfloat16))
+    assert rows_seen == [1, GEMV_MAX_ROWS]
+
+
+def test_engine_without_packing_generates_the_dense_tokens(tmp_path, monkeypatch, cannot_pack):
+    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (5, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+    llm = LLM(checkpoint, dtype="bfloat16")
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.method, WideningLinearMethod) for m in linears)
+    widened = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    monkeypatch.setattr(cpu_linear, "is_bf16_cpu", lambda weight: False)
+    dense = LLM(checkpoint, dtype="bfloat16")
+    assert all(m.method is DENSE for m in dense.engine.model.modules() if isinstance(m, Linear))
+    assert [o.outputs[0].token_ids for o in dense.generate(prompts, params)] == widened
