@@ -43,14 +43,16 @@ class ArmSpec:
     """One server to benchmark: what it is and how to reach or start it."""
 
     name: str
-    kind: str  # nanoserve | hf | vllm | llamacpp | url | cmd
+    kind: str  # nanoserve | hf | vllm | vllm-compiled | llamacpp | url | cmd
     url: str | None = None  # kind url
     command: str | None = None  # kind cmd: a shell command with {port}, {host}, {model}
 
 
 def parse_arm(text: str) -> ArmSpec:
-    """`nanoserve`, `hf`, `vllm`, `url=NAME=http://host:port` or `cmd=NAME=COMMAND`."""
-    if text in ("nanoserve", "hf", "vllm", "llamacpp"):
+    """`nanoserve`, `hf`, `vllm` (eager), `vllm-compiled` (vLLM's default mode: torch.compile
+    and CUDA-graph-like capture, minutes to start), `llamacpp`, `url=NAME=http://host:port` or
+    `cmd=NAME=COMMAND`."""
+    if text in ("nanoserve", "hf", "vllm", "vllm-compiled", "llamacpp"):
         return ArmSpec(name=text, kind=text)
     kind, _, rest = text.partition("=")
     name, _, value = rest.partition("=")
@@ -63,7 +65,7 @@ def parse_arm(text: str) -> ArmSpec:
             raise ValueError(f"--arm cmd=NAME=COMMAND must contain {{port}}, got {value!r}")
         return ArmSpec(name=name, kind="cmd", command=value)
     raise ValueError(
-        f"--arm {text!r} is not understood; use nanoserve, hf, vllm, llamacpp, "
+        f"--arm {text!r} is not understood; use nanoserve, hf, vllm, vllm-compiled, llamacpp, "
         "url=NAME=http://host:port or cmd=NAME='command with {port} and {model}'"
     )
 
@@ -165,6 +167,7 @@ class Server:
             "nanoserve": self._nanoserve_launch,
             "hf": self._hf_launch,
             "vllm": self._vllm_launch,
+            "vllm-compiled": self._vllm_launch,
             "llamacpp": self._llamacpp_launch,
             "cmd": self._cmd_launch,
             "url": self._url_launch,
@@ -201,7 +204,9 @@ class Server:
         python = ensure_vllm_venv(self.options.vllm_venv)
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}"]
         argv += ["--host", "{host}", "--port", "{port}", "--dtype", "bfloat16"]
-        argv += ["--max-model-len", str(self.options.max_model_len), "--enforce-eager"]
+        argv += ["--max-model-len", str(self.options.max_model_len)]
+        eager = self.spec.kind == "vllm"  # vllm-compiled: vLLM's default, torch.compile
+        argv += ["--enforce-eager"] if eager else []
         argv += self.options.vllm_args
         # vLLM's CPU backend keeps a core for its front end unless told not to; give it the
         # same compute threads as the other arms.
@@ -210,7 +215,8 @@ class Server:
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
         description = {
             "server": f"vLLM ({VLLM_PACKAGE}, OpenAI api_server)",
-            "mode": "eager (--enforce-eager), VLLM_CPU_NUM_OF_RESERVED_CPU=0",
+            "mode": ("eager (--enforce-eager)" if eager else "default (torch.compile)")
+            + ", VLLM_CPU_NUM_OF_RESERVED_CPU=0",
         }
         return argv, description
 

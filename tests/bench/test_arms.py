@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from nanoserve.bench import arms
 from nanoserve.bench.arms import ArmOptions, Server, parse_arm
 
 
 def test_parse_arm():
     assert parse_arm("hf").kind == "hf"
+    assert parse_arm("vllm-compiled").kind == "vllm-compiled"
     arm = parse_arm("url=sglang=http://127.0.0.1:30000/")
     assert (arm.name, arm.kind, arm.url) == ("sglang", "url", "http://127.0.0.1:30000")
     arm = parse_arm("cmd=llamacpp=llama-server -m {model} --port {port}")
@@ -46,6 +48,17 @@ def test_servers_run_installed_modules_with_the_callers_pythonpath(tmp_path, mon
     argv, env, _ = Server(parse_arm("hf"), tmp_path, options)._launch()
     assert argv[:3] == [sys.executable, "-m", "nanoserve.bench.hf_server"]
     assert env["PYTHONPATH"] == "/some/where"
+
+
+def test_vllm_runs_eager_and_vllm_compiled_in_its_default_mode(tmp_path, monkeypatch):
+    monkeypatch.setattr(arms, "ensure_vllm_venv", lambda venv: Path("/venv/bin/python"))
+    options = ArmOptions(threads=2, max_model_len=256, startup_timeout_s=1, log_dir=tmp_path)
+    eager, _, eager_description = Server(parse_arm("vllm"), tmp_path, options)._launch()
+    default, _, description = Server(parse_arm("vllm-compiled"), tmp_path, options)._launch()
+    assert "--enforce-eager" in eager and "--enforce-eager" not in default
+    assert [a for a in eager if a != "--enforce-eager"] == default
+    assert eager_description["mode"].startswith("eager")
+    assert description["mode"].startswith("default (torch.compile)")
 
 
 def test_stop_ends_the_servers_whole_group_even_after_its_leader_exited(tmp_path):
