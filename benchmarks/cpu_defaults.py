@@ -6,6 +6,7 @@
     python -m benchmarks.cpu_defaults fused       # decode with fused norm/RoPE kernels and without
     python -m benchmarks.cpu_defaults gemv        # the bf16 decode GEMV against oneDNN's product
     python -m benchmarks.cpu_defaults attention   # decode attention: our kernel against eager
+    python -m benchmarks.cpu_defaults bf16-methods  # the CPU's bf16 linears vs float32, F.linear
 
 Arms that are compared run in one process, alternating round by round, so that a noisy machine
 shifts both; medians are printed. Random (dummy or seeded) weights, greedy decoding.
@@ -24,9 +25,16 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.bench.machine import measure_read_bandwidth_gb_s
 from nanoserve.core.attention.reference import decode_group_attention
 from nanoserve.core.layers.ops import PORTABLE_OPS, install_layer_ops
+from nanoserve.platforms.cpu import linear as cpu_linear
 from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
-from nanoserve.platforms.cpu.linear import PackedLinearMethod, decode_gemv, pack, packed_linear
+from nanoserve.platforms.cpu.linear import (
+    PackedLinearMethod,
+    decode_gemv,
+    pack,
+    packed_linear,
+    packing_works,
+)
 from tests.tiny_checkpoints import make_tiny_checkpoint
 
 QWEN3_06B = "Qwen/Qwen3-0.6B"
@@ -88,14 +96,20 @@ def measure_int8(rounds: int) -> None:
 
 
 def matmul_probe_tflops(rows: int) -> float:
-    """The packed bf16 product of `rows` tokens by a 1024 -> 6144 weight: this CPU's peak."""
-    x = torch.randn(rows, 1024, dtype=torch.bfloat16)  # [rows, 1024]
-    packed = pack(torch.randn(6144, 1024, dtype=torch.bfloat16))  # [6144, 1024]
-    packed_linear(x, packed, None)
+    """The packed bf16 product of `rows` tokens by a 1024 -> 6144 weight: this CPU's peak
+    (float32 `F.linear` where oneDNN cannot pack bf16: the widened products' peak)."""
+    if packing_works():
+        x = torch.randn(rows, 1024, dtype=torch.bfloat16)  # [rows, 1024]
+        packed = pack(torch.randn(6144, 1024, dtype=torch.bfloat16))  # [6144, 1024]
+        product = lambda: packed_linear(x, packed, None)  # noqa: E731
+    else:
+        x, weight = torch.randn(rows, 1024), torch.randn(6144, 1024)
+        product = lambda: torch.nn.functional.linear(x, weight)  # noqa: E731
+    product()
     times = []
     for _ in range(5):
         started = time.perf_counter()
-        packed_linear(x, packed, None)
+        product()
         times.append(time.perf_counter() - started)
     return 2 * rows * 1024 * 6144 / min(times) / 1e12
 
@@ -139,6 +153,44 @@ def measure_auto_dtype(rounds: int) -> None:
     results = alternate(llms, rounds, num_tokens=64)
     auto, fp32 = median(results["auto"]), median(results["float32"])
     print(f"median decode: auto (bf16) {auto:.0f}, float32 {fp32:.0f} tok/s -> {auto / fp32:.2f}x")
+
+
+def prefill_s(llm: LLM, num_tokens: int, first: int) -> float:
+    """Seconds of one cold `num_tokens` prompt and its one token (`first` keeps it uncached)."""
+    started = time.perf_counter()
+    prompt = [first, *range(2000, 2000 + num_tokens - 1)]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    return time.perf_counter() - started
+
+
+def measure_bf16_methods(rounds: int, prompt_tokens: int) -> None:
+    """The 0.6B shape three ways, alternating: bf16 with the CPU's linear method (packed, or
+    widened where oneDNN cannot pack), float32 weights, and bf16 through plain `F.linear`."""
+    dense = LLM(QWEN3_06B, load_format="dummy", max_model_len=4096, dtype="bfloat16")
+    llms = {"bf16 (default)": dense}
+    llms["float32"] = LLM(QWEN3_06B, load_format="dummy", max_model_len=4096, dtype="float32")
+    is_bf16_cpu = cpu_linear.is_bf16_cpu
+    cpu_linear.is_bf16_cpu = lambda weight: False  # type: ignore[assignment]  # no CPU method
+    try:
+        llms["bf16 F.linear"] = LLM(QWEN3_06B, load_format="dummy", max_model_len=4096)
+    finally:
+        cpu_linear.is_bf16_cpu = is_bf16_cpu  # type: ignore[assignment]
+    decode = alternate(llms, rounds, num_tokens=32)
+    prefills: dict[str, list[float]] = {name: [] for name in llms}
+    for r in range(max(1, rounds // 2)):
+        for name, llm in llms.items():
+            prefills[name].append(prefill_s(llm, prompt_tokens, 1000 + r))
+        print(
+            f"prefill round {r + 1}: "
+            + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in prefills.items())
+        )
+    bandwidth, _ = measure_read_bandwidth_gb_s(torch.get_num_threads())
+    print(f"packing works here: {packing_works()}; read bandwidth {bandwidth:.1f} GB/s")
+    for name in llms:
+        print(
+            f"{name}: decode {median(decode[name]):.2f} tok/s, "
+            f"{prompt_tokens}-token prefill {median(prefills[name]):.2f} s"
+        )
 
 
 def measure_fused(rounds: int, prompt_tokens: int = 71) -> None:
@@ -238,7 +290,7 @@ def measure_decode_attention(rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    measures = ["int8", "prefill", "auto-dtype", "fused", "gemv", "attention"]
+    measures = ["int8", "prefill", "auto-dtype", "fused", "gemv", "attention", "bf16-methods"]
     parser.add_argument("measure", choices=measures)
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: 4)")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="prefill (default: 1500)")
@@ -254,6 +306,8 @@ def main() -> None:
         measure_gemv(args.rounds)
     elif args.measure == "attention":
         measure_decode_attention(args.rounds)
+    elif args.measure == "bf16-methods":
+        measure_bf16_methods(args.rounds, args.prompt_tokens)
     else:
         measure_auto_dtype(args.rounds)
 
