@@ -61,8 +61,17 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
       store16(out + i, _mm512_mul_ps(silu, load16(up + i)));
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    for (; i + 8 <= I; i += 8) {
+      const __m256 g = load8(gate + i);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));  // exp(-g)
+      const __m256 silu = round_to(out, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+      store8(out + i, _mm256_mul_ps(silu, load8(up + i)));
+    }
+  }
 #endif
-  for (; i < I; ++i) {  // the tail (all of it without AVX512-BF16)
+  for (; i < I; ++i) {  // the tail (all of it without SIMD)
     const float g = to_float(gate[i]);
     const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
     out[i] = static_cast<T>(to_float(silu) * to_float(up[i]));
