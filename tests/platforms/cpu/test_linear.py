@@ -50,7 +50,8 @@ def test_packed_linear_equals_f_linear_bit_for_bit(bias, without_gemv):
 
 
 def test_this_machine_has_the_decode_gemv():
-    """The CI image's CPU has AVX512-BF16; without it the test below would test nothing new."""
+    """The GEMV has a SIMD path on the CI image's CPU (AVX512-BF16, or AVX2 and FMA); without
+    one the test below would test nothing new."""
     assert decode_gemv() is not None
 
 
