@@ -80,6 +80,40 @@ constexpr int64_t INT32_SAFE_K_AVX2 = INT32_SAFE_K / 2;
 // at once: streamed from memory, that ran 10-30% faster than one row after another.
 constexpr int64_t PAIR_CHUNK = 32;
 
+#if !defined(__AVX512BW__) && defined(__AVX2__)
+// int8_pair_dot's AVX2 path: sums[r][m] += dot(x[m], row r of the pair).
+template <int M>
+[[gnu::always_inline]] inline static void int8_pair_dot_avx2(const int16_t* x, const int8_t* pair,
+                                                            int64_t K, int64_t ahead,
+                                                            float (&sums)[2][M]) {
+  // Adds the products of the 32-weight chunk at k (both rows) into acc: per row, two vpmaddwd of
+  // 16 pairs each (the chunk's halves, widened int8 -> int16 as they are loaded), whose sums
+  // go to one accumulator, so a lane gains two instructions' worth per chunk.
+  const auto add_chunk = [&](__m256i (&acc)[2][M], int64_t k) {
+    const int8_t* both = pair + 2 * k;  // 32 weights of each row: one 64-byte line
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(both + ahead), _MM_HINT_T0);
+    for (int r = 0; r < 2; ++r) {
+      const __m128i* bytes = reinterpret_cast<const __m128i*>(both + r * PAIR_CHUNK);
+      const __m256i low = _mm256_cvtepi8_epi16(_mm_loadu_si128(bytes));
+      const __m256i high = _mm256_cvtepi8_epi16(_mm_loadu_si128(bytes + 1));
+      for (int m = 0; m < M; ++m) {
+        const __m256i* xs = reinterpret_cast<const __m256i*>(x + m * K + k);
+        const __m256i from_low = _mm256_madd_epi16(_mm256_loadu_si256(xs), low);
+        const __m256i from_high = _mm256_madd_epi16(_mm256_loadu_si256(xs + 1), high);
+        acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_add_epi32(from_low, from_high));
+      }
+    }
+  };
+  for (int64_t chunk = 0; chunk < K; chunk += INT32_SAFE_K_AVX2) {
+    const int64_t chunk_end = std::min(K, chunk + INT32_SAFE_K_AVX2);
+    __m256i acc[2][M] = {};  // zeros
+    for (int64_t k = chunk; k < chunk_end; k += PAIR_CHUNK) add_chunk(acc, k);
+    for (int r = 0; r < 2; ++r)
+      for (int m = 0; m < M; ++m) sums[r][m] += add_lanes8(_mm256_cvtepi32_ps(acc[r][m]));
+  }
+}
+#endif
+
 // sums[r][m] = dot(x[m], row r of the pair) for M int16 activation rows; K % 32 == 0.
 // (Inlined into the pair loop: a tenth faster from cache; bf16_row_dot was slower inlined.)
 template <int M>
@@ -116,31 +150,7 @@ template <int M>
       }
   }
 #elif defined(__AVX2__)
-  // Adds the products of the 32-weight chunk at k (both rows) into acc: per row, two vpmaddwd of
-  // 16 pairs each (the chunk's halves, widened int8 -> int16 as they are loaded), whose sums
-  // go to one accumulator, so a lane gains two instructions' worth per chunk.
-  const auto add_chunk = [&](__m256i (&acc)[2][M], int64_t k) {
-    const int8_t* both = pair + 2 * k;  // 32 weights of each row: one 64-byte line
-    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(both + ahead), _MM_HINT_T0);
-    for (int r = 0; r < 2; ++r) {
-      const __m128i* bytes = reinterpret_cast<const __m128i*>(both + r * PAIR_CHUNK);
-      const __m256i low = _mm256_cvtepi8_epi16(_mm_loadu_si128(bytes));
-      const __m256i high = _mm256_cvtepi8_epi16(_mm_loadu_si128(bytes + 1));
-      for (int m = 0; m < M; ++m) {
-        const __m256i* xs = reinterpret_cast<const __m256i*>(x + m * K + k);
-        const __m256i from_low = _mm256_madd_epi16(_mm256_loadu_si256(xs), low);
-        const __m256i from_high = _mm256_madd_epi16(_mm256_loadu_si256(xs + 1), high);
-        acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_add_epi32(from_low, from_high));
-      }
-    }
-  };
-  for (int64_t chunk = 0; chunk < K; chunk += INT32_SAFE_K_AVX2) {
-    const int64_t chunk_end = std::min(K, chunk + INT32_SAFE_K_AVX2);
-    __m256i acc[2][M] = {};  // zeros
-    for (int64_t k = chunk; k < chunk_end; k += PAIR_CHUNK) add_chunk(acc, k);
-    for (int r = 0; r < 2; ++r)
-      for (int m = 0; m < M; ++m) sums[r][m] += add_lanes8(_mm256_cvtepi32_ps(acc[r][m]));
-  }
+  int8_pair_dot_avx2<M>(x, pair, K, ahead, sums);
 #else
   for (int64_t k = 0; k < K; ++k)  // without SIMD: the same products, one at a time
     for (int r = 0; r < 2; ++r)
