@@ -100,6 +100,21 @@ def test_a_row_with_a_non_finite_activation_gives_no_finite_product(gemv, bad):
     assert (~torch.isfinite(aten[1:])).all()
 
 
+def test_float32_activations_that_round_to_2_to_the_15_saturate_to_32767(gemv):
+    """A float32 activation a hair under the row's power of two rounds to 32768, one past
+    int16: it becomes 32767 (-32768 is in range), in every vector lane and position."""
+    quantized = torch.randint(-127, 128, (5, 64), dtype=torch.int8)
+    scales = torch.tensor([1.0, 0.5, 2.0, 0.25, 1.0])
+    x = torch.randn(2, 64) / 4
+    x[0, ::3] = 0.99999  # 0.99999 * 2^15 = 32767.67
+    x[1, 1::5] = -0.99999
+    values, x_scales = int16_rows(x)
+    assert values[0, 0] == 32767 and values[1, 1] == -32768
+    out = gemv(x, quantized, scales)
+    exact = (values.double() @ quantized.double().T) * x_scales.double()[:, None]
+    torch.testing.assert_close(out, (exact * scales.double()).float(), atol=1e-5, rtol=1e-6)
+
+
 def test_float32_scales_are_read_as_bf16_ones_converted(gemv):
     torch.manual_seed(1)
     quantized, scales = quantize_int8(torch.randn(300, 256))

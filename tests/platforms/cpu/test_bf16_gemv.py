@@ -17,12 +17,16 @@ def kernels():
     return kernels
 
 
-def test_it_is_vectorized_where_the_cpu_has_bf16_dot_instructions(kernels):
-    assert kernels.bf16_gemv_is_vectorized() == ("avx512_bf16" in (cpu_flags() or []))
+def test_it_is_vectorized_where_the_cpu_has_bf16_dot_or_avx2_fma_instructions(kernels):
+    flags = cpu_flags() or []
+    has_simd = "avx512_bf16" in flags or ("avx2" in flags and "fma" in flags)
+    assert kernels.bf16_gemv_is_vectorized() == has_simd
 
 
-# in_features: a multiple of the 128-weight step, one with a tail, one shorter than a step.
-@pytest.mark.parametrize("in_features", [1024, 1000, 40])
+# in_features: a multiple of every step (AVX-512: 32 weights per dot, AVX2: 16), one with a
+# tail past both (1000 = 62 * 16 + 8), one shorter than an unrolled step (40), one shorter
+# than any vector (7: all tail).
+@pytest.mark.parametrize("in_features", [1024, 1000, 40, 7])
 @pytest.mark.parametrize("rows", range(1, 9))
 def test_gemv_is_the_float32_product_rounded_once(kernels, in_features, rows):
     torch.manual_seed(rows)

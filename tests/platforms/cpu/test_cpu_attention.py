@@ -38,7 +38,8 @@ def decode_step(num_kv_heads: int, group: int, head_dim: int, block_size: int, d
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4])  # 3: a pair of heads, then one
-@pytest.mark.parametrize("head_dim", [128, 64, 40])  # 40: a tail past the 16-wide vectors
+# 40: a tail past the 16-wide vectors (AVX-512); 36: past the 8-wide ones too (AVX2)
+@pytest.mark.parametrize("head_dim", [128, 64, 40, 36])
 def test_kernel_matches_the_eager_decode_in_float32(kernels, group, head_dim):
     query, k_cache, v_cache, meta = decode_step(2, group, head_dim, 4, torch.float32)
     got = kernels.paged_decode_attention(
@@ -103,8 +104,8 @@ FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 def test_kernel_widens_every_fp8_value_exactly(kernels, cache_dtype):
     """Each finite FP8 code as a one-key context: attention over one key is its value, so the
-    output is the kernel's widening of that code (16 lanes vectorised, 4 more by the scalar
-    tail), equal to PyTorch's conversion."""
+    output is the kernel's widening of that code (16 lanes vectorised, as one AVX-512 vector or
+    two AVX2 ones, 4 more by the scalar tail), equal to PyTorch's conversion."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[codes.view(cache_dtype).float().isfinite()]
     head_dim = 20
@@ -132,9 +133,14 @@ def test_kernel_widens_every_fp8_value_exactly(kernels, cache_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # 36: a tail past the 8-wide (AVX2) and 16-wide vectors
     ("group", "head_dim", "query_dtype"),
-    [(1, 128, torch.float32), (3, 40, torch.float32), (4, 64, torch.bfloat16)],
+    [
+        (1, 128, torch.float32),
+        (3, 40, torch.float32),
+        (4, 64, torch.bfloat16),
+        (2, 36, torch.bfloat16),
+    ],
 )
 def test_kernel_over_an_fp8_cache_matches_the_eager_decode(
     kernels, cache_dtype, group, head_dim, query_dtype

@@ -50,14 +50,16 @@ def assert_same(plain: torch.Tensor, fused: torch.Tensor) -> None:
         torch.testing.assert_close(fused, plain, rtol=2e-6, atol=1e-6)
 
 
-# 1 token (a decode step: one thread) and 300 (a prefill: rows split across threads).
+# 1 token (a decode step: one thread) and 300 (a prefill: rows split across threads); a
+# hidden size of 1027: a tail past the 8-lane vectors.
 @pytest.mark.parametrize("tokens", [1, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rms_norm_matches_the_plain_ops(toggle, tokens, dtype):
+@pytest.mark.parametrize("hidden", [1024, 1027])
+def test_rms_norm_matches_the_plain_ops(toggle, tokens, dtype, hidden):
     torch.manual_seed(tokens)
-    norm = RMSNorm(1024, 1e-6).to(dtype)
-    norm.weight.data = (1 + 0.3 * torch.randn(1024)).to(dtype)
-    x = (4 * torch.randn(tokens, 1024)).to(dtype)  # [T, hidden]
+    norm = RMSNorm(hidden, 1e-6).to(dtype)
+    norm.weight.data = (1 + 0.3 * torch.randn(hidden)).to(dtype)
+    x = (4 * torch.randn(tokens, hidden)).to(dtype)  # [T, hidden]
     assert_same(*toggle(lambda ops: with_ops(norm, ops)(x)))
 
 
@@ -71,13 +73,15 @@ def test_per_head_normalization_of_a_strided_view_matches(toggle, dtype):
     assert_same(*toggle(lambda ops: ops.rms_norm(heads, None, 1e-6)))
 
 
+# head_dim 20: each half 8 lanes and a tail of 2.
 @pytest.mark.parametrize("tokens", [1, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rotary_matches_the_plain_ops(toggle, tokens, dtype):
+@pytest.mark.parametrize("head_dim", [128, 20])
+def test_rotary_matches_the_plain_ops(toggle, tokens, dtype, head_dim):
     torch.manual_seed(tokens)
-    rope = RotaryEmbedding(128, 4096, 1_000_000.0)
+    rope = RotaryEmbedding(head_dim, 4096, 1_000_000.0)
     cos, signed_sin = rope(torch.randint(0, 4096, (tokens,)), dtype)  # [T, 1, D] each
-    q = torch.randn(tokens, 24, 128).to(dtype)[:, 8:]  # [T, 16, D], a strided view
+    q = torch.randn(tokens, 24, head_dim).to(dtype)[:, 8:]  # [T, 16, D], a strided view
     plain, fused = toggle(lambda ops: ops.rotary(q, cos, signed_sin))
     assert torch.equal(fused, plain)  # two rounded products and their rounded sum, as torch
 
@@ -95,6 +99,26 @@ def test_silu_mul_matches_the_plain_ops(toggle, tokens, dtype):
         torch.testing.assert_close(fused, plain, rtol=2**-7, atol=0)
     else:  # our exp is within about an ulp of PyTorch's
         torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_rounds_ties_to_even_and_keeps_nan_and_overflow_as_the_plain_ops(toggle):
+    """bf16 roundings of the vector lanes (16 on AVX-512, 8 on AVX2) and the scalar tail: for
+    gates of 24 and more silu(g) = g exactly, so the product is a bf16 product, exact in
+    float32, and some land halfway between two bf16 values."""
+    nan, big = float("nan"), 3e38
+    gate = [24.0, 24.0, 24.0, 24.0, nan, big, -big, 1e-39, -100.0, 0.5, -0.5]
+    up = [1.0234375, 1.0078125, 1.0546875, 1.0390625, 1.0, 2.0, 2.0, 1.0, 1.0, 3.0, 3.0]
+    expected = [24.5, 24.25, 25.25, 25.0, nan, float("inf")]  # ties: to the even neighbour
+    # Copies at 0 and 11 (vector lanes) and 24: the tail of 30 values after 3 AVX2 vectors
+    # or one AVX-512 vector.
+    gates, ups = gate * 2 + [1.0, 1.0] + gate[:6], up * 2 + [1.0, 1.0] + up[:6]
+    gate_up = torch.tensor([gates + ups], dtype=torch.bfloat16)  # [1, 2 * 30]
+    assert gate_up[0, 30] * gate_up[0, 0] == 24.5625  # the first product: a tie
+    plain, fused = toggle(lambda ops: ops.silu_mul(gate_up))  # [1, 30]
+    torch.testing.assert_close(fused, plain, rtol=0, atol=0, equal_nan=True)
+    for start in (0, 11, 24):
+        got = fused[0, start : start + len(expected)].float()
+        torch.testing.assert_close(got, torch.tensor(expected), rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_mlp_takes_the_fused_silu_mul(toggle):

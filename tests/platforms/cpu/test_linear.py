@@ -67,8 +67,8 @@ def test_packed_linear_equals_f_linear_bit_for_bit(bias, without_gemv):
 
 
 def test_this_machine_has_the_decode_gemv():
-    """The kernels have a SIMD GEMV for AVX512-BF16 and for AVX2; without one the tests that
-    stream weights through it would test nothing new."""
+    """The GEMV has a SIMD path on the CI image's CPU (AVX512-BF16, or AVX2 and FMA); without
+    one the test below would test nothing new."""
     assert decode_gemv() is not None
 
 

@@ -23,7 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[A, K] bf16 rows grouped by expert x [E, N, K] bf16 experts -> [A, N]");
   m.def("moe_int8_gemv", &moe_int8_gemv,
         "[A, K] rows grouped by expert x [E, N/2, 2K] int8 expert pairs * [E, N] -> [A, N]");
-  m.def("bf16_gemv_is_vectorized", &bf16_gemv_is_vectorized, "built with AVX512-BF16?");
+  m.def("bf16_gemv_is_vectorized", &bf16_gemv_is_vectorized,
+        "has bf16_gemv a SIMD path (AVX512-BF16 or AVX2-FMA)?");
   m.def("set_gemv_prefetch", &set_gemv_prefetch, "bytes the GEMVs prefetch ahead (0: none)");
   m.def("gemv_prefetch", &gemv_prefetch, "the GEMVs' prefetch distance in bytes");
   m.def("paged_decode_attention", &paged_decode_attention,

@@ -24,7 +24,8 @@
 constexpr int64_t AHEAD = 8;
 // Keys taken together, and query heads (of one KV head's group) taken together: each key's
 // values are widened to float32 once for HEADS heads, and the HEADS * KEYS sums are
-// independent, so their FMAs overlap (one dot's D / 16 FMAs each wait on the previous one).
+// independent, so their FMAs overlap (one dot's D / 16 FMAs, D / 8 on AVX2, each wait on the
+// previous one).
 constexpr int KEYS = 4;
 constexpr int HEADS = 2;
 
@@ -56,6 +57,19 @@ static void score_keys(const float* q, const T* const (&keys)[NK], int64_t D, fl
   }
   for (int h = 0; h < NH; ++h)
     for (int r = 0; r < NK; ++r) sums[h][r] = _mm512_reduce_add_ps(acc[h][r]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  __m256 acc[NH][NK];  // NH * NK <= 8 of AVX2's 16 registers
+  for (int h = 0; h < NH; ++h)
+    for (int r = 0; r < NK; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (; d + 8 <= D; d += 8) {
+    for (int r = 0; r < NK; ++r) {
+      const __m256 kv = load8(keys[r] + d);
+      for (int h = 0; h < NH; ++h)
+        acc[h][r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), kv, acc[h][r]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int r = 0; r < NK; ++r) sums[h][r] = add_lanes8(acc[h][r]);
 #endif
   for (; d < D; ++d)
     for (int h = 0; h < NH; ++h)
@@ -80,6 +94,17 @@ static void add_values(const float* p, int64_t L, const T* const (&values)[NK], 
         acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * L + r]), vv, acc[h]);
     }
     for (int h = 0; h < NH; ++h) _mm512_storeu_ps(out + h * D + d, acc[h]);
+  }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  for (; d + 8 <= D; d += 8) {
+    __m256 acc[NH];
+    for (int h = 0; h < NH; ++h) acc[h] = _mm256_loadu_ps(out + h * D + d);
+    for (int r = 0; r < NK; ++r) {
+      const __m256 vv = load8(values[r] + d);
+      for (int h = 0; h < NH; ++h)
+        acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * L + r]), vv, acc[h]);
+    }
+    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(out + h * D + d, acc[h]);
   }
 #endif
   for (; d < D; ++d)
@@ -131,6 +156,15 @@ static void softmax_numerators(float* scores, int64_t G, int64_t L, float* sums)
       total = _mm512_add_ps(total, e);
     }
     sum = _mm512_reduce_add_ps(total);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    for (; j + 8 <= L; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+      _mm256_storeu_ps(row + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    sum = add_lanes8(total);
 #endif
     for (; j < L; ++j) sum += (row[j] = std::exp(row[j] - top));
     sums[g] = sum;

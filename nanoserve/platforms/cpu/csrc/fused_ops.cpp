@@ -6,7 +6,8 @@
 // They reproduce PyTorch's roundings: bfloat16 inputs are computed in float32 and rounded to
 // bfloat16 wherever the plain ops round (so RMSNorm differs only in the order of the float32
 // sum of squares, and silu_mul only in its exp, within about an ulp of PyTorch's). Built with
-// -ffp-contract=off: no a*b+c is fused into one rounding.
+// -ffp-contract=off: no a*b+c is fused into one rounding. Their vector paths (simd.h) take 8
+// float32 lanes with AVX2, 16 with AVX-512 (silu_mul); the scalar loops finish each row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -24,13 +25,44 @@ constexpr int64_t GRAIN = 64;
 template <typename T>
 float to_float(T v) { return static_cast<float>(v); }
 
+// The 8-lane paths below (AVX2, which AVX-512 CPUs have too) serve float32 and bfloat16.
+template <typename T>
+constexpr bool HAS_LANES = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+
+// The sum of x[d]^2 over one row, each square rounded to float32 before it is added.
+template <typename T>
+float sum_of_squares(const T* x, int64_t D) {
+  float sum = 0.f;
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (HAS_LANES<T>) {
+    __m256 total = _mm256_setzero_ps();
+    for (; d + 8 <= D; d += 8) {
+      const __m256 v = load8(x + d);
+      total = _mm256_add_ps(total, _mm256_mul_ps(v, v));
+    }
+    sum = add_lanes8(total);
+  }
+#endif
+  for (; d < D; ++d) sum += to_float(x[d]) * to_float(x[d]);
+  return sum;
+}
+
 // out = round(x / rms(x)) * weight, over one row of D values (the weight optional).
 template <typename T>
 void rms_norm_row(const T* x, const T* weight, T* out, int64_t D, float eps) {
-  float sum = 0.f;
-  for (int64_t d = 0; d < D; ++d) sum += to_float(x[d]) * to_float(x[d]);
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(D) + eps);
-  for (int64_t d = 0; d < D; ++d) {
+  const float inv = 1.f / std::sqrt(sum_of_squares(x, D) / static_cast<float>(D) + eps);
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (HAS_LANES<T>) {  // the same two roundings as below, 8 lanes at a time
+    const __m256 by = _mm256_set1_ps(inv);
+    for (; d + 8 <= D; d += 8) {
+      const __m256 normalized = round_to(out, _mm256_mul_ps(load8(x + d), by));
+      store8(out + d, weight ? _mm256_mul_ps(normalized, load8(weight + d)) : normalized);
+    }
+  }
+#endif
+  for (; d < D; ++d) {
     const T normalized = static_cast<T>(to_float(x[d]) * inv);  // rounded to x's dtype
     out[d] = weight ? static_cast<T>(to_float(normalized) * to_float(weight[d])) : normalized;
   }
@@ -40,11 +72,31 @@ void rms_norm_row(const T* x, const T* weight, T* out, int64_t D, float eps) {
 template <typename T>
 void rotary_row(const T* x, const T* cos, const T* sin, T* out, int64_t D) {
   const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) {
-    const T swapped = d < half ? x[d + half] : x[d - half];
-    const T a = static_cast<T>(to_float(x[d]) * to_float(cos[d]));
-    const T b = static_cast<T>(to_float(swapped) * to_float(sin[d]));
-    out[d] = static_cast<T>(to_float(a) + to_float(b));
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (HAS_LANES<T>) {  // 8 values of each half at once, the same roundings as below
+    // out[at..] = round(round(a * cos) + round(b * sin)), 8 lanes from at.
+    const auto rotate = [&](__m256 a, __m256 b, int64_t at) {
+      const __m256 ac = round_to(out, _mm256_mul_ps(a, load8(cos + at)));
+      const __m256 bs = round_to(out, _mm256_mul_ps(b, load8(sin + at)));
+      store8(out + at, _mm256_add_ps(ac, bs));
+    };
+    for (; d + 8 <= half; d += 8) {
+      const __m256 first = load8(x + d), second = load8(x + d + half);
+      rotate(first, second, d);
+      rotate(second, first, d + half);
+    }
+  }
+#endif
+  // out[at] from x[at] and its partner in the other half.
+  const auto rotate_one = [&](T value, T swapped, int64_t at) {
+    const T a = static_cast<T>(to_float(value) * to_float(cos[at]));
+    const T b = static_cast<T>(to_float(swapped) * to_float(sin[at]));
+    out[at] = static_cast<T>(to_float(a) + to_float(b));
+  };
+  for (; d < half; ++d) {  // the tail of each half (all of it without AVX2)
+    rotate_one(x[d], x[d + half], d);
+    rotate_one(x[d + half], x[d], d + half);
   }
 }
 
@@ -61,8 +113,17 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
       store16(out + i, _mm512_mul_ps(silu, load16(up + i)));
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (HAS_LANES<T>) {
+    for (; i + 8 <= I; i += 8) {
+      const __m256 g = load8(gate + i);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));  // exp(-g)
+      const __m256 silu = round_to(out, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+      store8(out + i, _mm256_mul_ps(silu, load8(up + i)));
+    }
+  }
 #endif
-  for (; i < I; ++i) {  // the tail (all of it without AVX512-BF16)
+  for (; i < I; ++i) {  // the tail (all of it without SIMD)
     const float g = to_float(gate[i]);
     const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
     out[i] = static_cast<T>(to_float(silu) * to_float(up[i]));

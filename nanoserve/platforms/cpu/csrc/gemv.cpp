@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #endif
 
+#include "simd.h"
+
 // How far ahead of the product the weights are fetched, in bytes (0: the hardware prefetcher
 // alone). The best distance depends on the CPU: on an Intel Xeon an explicit prefetch 4 KiB
 // ahead doubled the rate at which a core streamed a weight matrix; on an AMD EPYC it slowed
@@ -56,7 +58,7 @@ static void add_lanes(const __m512 (&acc)[M][U], float* sums) {
 // int8 products sum in int32, exactly: activations come as int16 (int16_rows, below), and one
 // instruction (AVX512-VNNI's vpdpwssd) multiplies 32 int16 pairs and adds them in pairs into 16
 // int32 lanes; each 32 weights are widened int8 -> int16 once for all M rows. Without VNNI,
-// AVX512-BW's vpmaddwd and an add do the same in two.
+// AVX512-BW's vpmaddwd and an add do the same in two; AVX2's vpmaddwd does it for 16 pairs.
 #ifdef __AVX512BW__
 static inline __m512i add_pair_products(__m512i acc, __m512i a, __m512i b) {
 #ifdef __AVX512VNNI__
@@ -70,11 +72,47 @@ static inline __m512i add_pair_products(__m512i acc, __m512i a, __m512i b) {
 // A lane gains at most 2 * 32767 * 127 per instruction: 256 instructions (8192 k) stay inside
 // int32, so longer rows sum in chunks of this many, each chunk's lanes then added as float32.
 constexpr int64_t INT32_SAFE_K = 8192;
+// AVX2's lanes are half as many: 256 of its instructions cover 4096 k.
+constexpr int64_t INT32_SAFE_K_AVX2 = INT32_SAFE_K / 2;
 
 // int8 weights come in row pairs, [N/2, K/32, 2, 32]: 32 weights of row 2p, then the same 32
 // of row 2p + 1 (quantization/int8.py's pair_rows). One sequential stream then feeds two rows
 // at once: streamed from memory, that ran 10-30% faster than one row after another.
 constexpr int64_t PAIR_CHUNK = 32;
+
+#if !defined(__AVX512BW__) && defined(__AVX2__)
+// int8_pair_dot's AVX2 path: sums[r][m] += dot(x[m], row r of the pair).
+template <int M>
+[[gnu::always_inline]] inline static void int8_pair_dot_avx2(const int16_t* x, const int8_t* pair,
+                                                            int64_t K, int64_t ahead,
+                                                            float (&sums)[2][M]) {
+  // Adds the products of the 32-weight chunk at k (both rows) into acc: per row, two vpmaddwd of
+  // 16 pairs each (the chunk's halves, widened int8 -> int16 as they are loaded), whose sums
+  // go to one accumulator, so a lane gains two instructions' worth per chunk.
+  const auto add_chunk = [&](__m256i (&acc)[2][M], int64_t k) {
+    const int8_t* both = pair + 2 * k;  // 32 weights of each row: one 64-byte line
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(both + ahead), _MM_HINT_T0);
+    for (int r = 0; r < 2; ++r) {
+      const __m128i* bytes = reinterpret_cast<const __m128i*>(both + r * PAIR_CHUNK);
+      const __m256i low = _mm256_cvtepi8_epi16(_mm_loadu_si128(bytes));
+      const __m256i high = _mm256_cvtepi8_epi16(_mm_loadu_si128(bytes + 1));
+      for (int m = 0; m < M; ++m) {
+        const __m256i* xs = reinterpret_cast<const __m256i*>(x + m * K + k);
+        const __m256i from_low = _mm256_madd_epi16(_mm256_loadu_si256(xs), low);
+        const __m256i from_high = _mm256_madd_epi16(_mm256_loadu_si256(xs + 1), high);
+        acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_add_epi32(from_low, from_high));
+      }
+    }
+  };
+  for (int64_t chunk = 0; chunk < K; chunk += INT32_SAFE_K_AVX2) {
+    const int64_t chunk_end = std::min(K, chunk + INT32_SAFE_K_AVX2);
+    __m256i acc[2][M] = {};  // zeros
+    for (int64_t k = chunk; k < chunk_end; k += PAIR_CHUNK) add_chunk(acc, k);
+    for (int r = 0; r < 2; ++r)
+      for (int m = 0; m < M; ++m) sums[r][m] += add_lanes8(_mm256_cvtepi32_ps(acc[r][m]));
+  }
+}
+#endif
 
 // sums[r][m] = dot(x[m], row r of the pair) for M int16 activation rows; K % 32 == 0.
 // (Inlined into the pair loop: a tenth faster from cache; bf16_row_dot was slower inlined.)
@@ -111,8 +149,10 @@ template <int M>
         sums[r][m] += _mm512_reduce_add_ps(total);
       }
   }
+#elif defined(__AVX2__)
+  int8_pair_dot_avx2<M>(x, pair, K, ahead, sums);
 #else
-  for (int64_t k = 0; k < K; ++k)  // without AVX-512: the same products, one at a time
+  for (int64_t k = 0; k < K; ++k)  // without SIMD: the same products, one at a time
     for (int r = 0; r < 2; ++r)
       for (int m = 0; m < M; ++m) {
         const int8_t w = pair[(k / PAIR_CHUNK) * 2 * PAIR_CHUNK + r * PAIR_CHUNK + k % PAIR_CHUNK];
@@ -121,10 +161,46 @@ template <int M>
 #endif
 }
 
-// sums[m] = dot(x[m], w) for M bf16 activation rows and one bf16 weight row of length K.
-// AVX512-BF16's dot instruction multiplies 32 pairs (exact in float32) into 16 float32 sums.
+// The activations as bf16_row_dot reads them: bf16 as they come where AVX512-BF16 multiplies
+// bf16 pairs (and in the plain loop); float32 on AVX2, widened once per call by
+// gemv_activations (M rows of K: they stay in L1 while every weight row streams past).
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+using Activation = float;
+#else
+using Activation = at::BFloat16;
+#endif
+
+// Where activation k of a row is stored for bf16_row_dot on AVX2: each whole 16 k as its 8 even
+// values, then its 8 odd ones, the order in which a load of 16 bf16 weights comes apart into
+// two float32 vectors (bf16_row_dot); the last K % 16 in order.
+static int64_t activation_position(int64_t k, int64_t K) {
+  const int64_t start = k - k % 16, j = k % 16;
+  if (start + 16 > K) return k;
+  return start + (j % 2) * 8 + j / 2;
+}
+
+// x [rows, K] bf16 as Activation values, contiguous (positions as above where they are float32).
+static at::Tensor gemv_activations(const at::Tensor& x) {
+  const at::Tensor xc = x.contiguous();
+  if constexpr (std::is_same_v<Activation, at::BFloat16>) {
+    return xc;
+  } else {
+    const int64_t rows = xc.size(0), K = xc.size(1);
+    at::Tensor widened = at::empty({rows, K}, xc.options().dtype(at::kFloat));
+    const at::BFloat16* from = xc.data_ptr<at::BFloat16>();
+    float* to = widened.data_ptr<float>();
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t k = 0; k < K; ++k)
+        to[m * K + activation_position(k, K)] = static_cast<float>(from[m * K + k]);
+    return widened;
+  }
+}
+
+// sums[m] = dot(x[m], w) for M activation rows (gemv_activations) and one bf16 weight row of
+// length K. AVX512-BF16's dot instruction multiplies 32 pairs (exact in float32) into 16 float32
+// sums; AVX2 widens 16 weights to two float32 vectors and FMAs each with 8 activations.
 template <int M>
-static void bf16_row_dot(const at::BFloat16* x, const at::BFloat16* w, int64_t K, int64_t ahead,
+static void bf16_row_dot(const Activation* x, const at::BFloat16* w, int64_t K, int64_t ahead,
                          float* sums) {
   int64_t k = 0;
 #ifdef __AVX512BF16__
@@ -142,10 +218,36 @@ static void bf16_row_dot(const at::BFloat16* x, const at::BFloat16* w, int64_t K
     }
   }
   add_lanes<M, U>(acc, sums);
+#elif defined(__AVX2__) && defined(__FMA__)
+  constexpr int U = UNROLL<M>;
+  const char* bytes = reinterpret_cast<const char*>(w);
+  __m256 acc[M][U] = {};  // zeros
+  // Adds the products of the 16 weights at k into acc[.][u]. A 32-bit lane of the load holds an
+  // even weight in its low half and the next (odd) one in its high half: shifted left 16 bits,
+  // or with the low half cleared, each is that weight as a float32 (a bf16 is a float32's top).
+  const auto add_step = [&](int64_t k, int u) {
+    if (ahead) _mm_prefetch(bytes + 2 * k + ahead, _MM_HINT_T0);
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
+    for (int m = 0; m < M; ++m) {
+      const float* xs = x + m * K + k;  // 8 even activations, then 8 odd ones
+      acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(xs), even, acc[m][u]);
+      acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + 8), odd, acc[m][u]);
+    }
+  };
+  for (; k + 16 * U <= K; k += 16 * U)
+    for (int u = 0; u < U; ++u) add_step(k + 16 * u, u);
+  for (; k + 16 <= K; k += 16) add_step(k, 0);
+  for (int m = 0; m < M; ++m) {
+    __m256 total = acc[m][0];
+    for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[m][u]);
+    sums[m] = add_lanes8(total);
+  }
 #else
   for (int m = 0; m < M; ++m) sums[m] = 0.f;
 #endif
-  for (; k < K; ++k)  // the tail (all of it without AVX512-BF16)
+  for (; k < K; ++k)  // the tail (all of it without SIMD)
     for (int m = 0; m < M; ++m)
       sums[m] += static_cast<float>(x[m * K + k]) * static_cast<float>(w[k]);
 }
@@ -221,6 +323,18 @@ static float largest_magnitude(const float* row, int64_t K) {
   }
   largest = _mm512_reduce_max_ps(top);
   poison = _mm512_reduce_add_ps(zeros);
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 top = _mm256_setzero_ps(), zeros = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(row + k);
+    top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));  // |v|: the sign bit cleared
+    zeros = _mm256_add_ps(zeros, _mm256_mul_ps(v, _mm256_setzero_ps()));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top);
+  largest = *std::max_element(lanes, lanes + 8);
+  poison = add_lanes8(zeros);
 #endif
   for (; k < K; ++k) {
     largest = std::max(largest, std::fabs(row[k]));
@@ -237,6 +351,16 @@ static void round_to_int16(const float* row, int64_t K, float inverse, int16_t* 
   for (; k + 16 <= K; k += 16) {
     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), by));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm512_cvtsepi32_epi16(q));
+  }
+#elif defined(__AVX2__)
+  const __m256 by = _mm256_set1_ps(inverse);
+  for (; k + 16 <= K; k += 16) {
+    const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k), by));
+    const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k + 8), by));
+    // vpackssdw saturates to int16 but packs each 128-bit half on its own (low 0-3, high 0-3,
+    // low 4-7, high 4-7, in 64-bit quarters): the quarters are then put back in order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), packed);
   }
 #endif
   for (; k < K; ++k)
@@ -296,9 +420,10 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales) {
   return out;
 }
 
-// True when bf16_gemv runs on AVX512-BF16 instructions (otherwise a plain loop: slow).
+// True when bf16_gemv has a SIMD path: AVX512-BF16, or AVX2 with FMA (otherwise a plain loop:
+// slow).
 bool bf16_gemv_is_vectorized() {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
   return true;
 #else
   return false;
@@ -311,10 +436,10 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16);
   TORCH_CHECK(weight.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto xc = x.contiguous();
+  const at::Tensor activations = gemv_activations(x);
   const int64_t ahead = prefetch_bytes.load();
   auto out = at::empty({M, N}, x.options());
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const Activation* xp = activations.data_ptr<Activation>();
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
   with_rows(M, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
@@ -372,7 +497,8 @@ at::Tensor moe_bf16_gemv(at::Tensor x, at::Tensor weight, at::Tensor expert_ids,
   const int64_t N = weight.size(1), K = weight.size(2), U = expert_ids.numel();
   const int64_t ahead = prefetch_bytes.load();
   auto out = at::empty({x.size(0), N}, x.options());
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::Tensor activations = gemv_activations(x);
+  const Activation* xp = activations.data_ptr<Activation>();
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t* ids = expert_ids.data_ptr<int64_t>();

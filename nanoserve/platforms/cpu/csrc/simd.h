@@ -1,6 +1,8 @@
-// 16 float32 lanes loaded from float32, bf16 or FP8 memory and stored to float32 or bf16 memory
-// (AVX-512), and their exp, for the kernels' elementwise loops. A bf16 is the top half of a
-// float32: widening is exact, and narrowing rounds to nearest even, as PyTorch's conversion does.
+// 16 float32 lanes (AVX-512) or 8 (AVX2 with FMA and F16C) loaded from float32, bf16 or FP8
+// memory and stored to float32 or bf16 memory, and their exp, for the kernels' elementwise loops.
+// A bf16 is the top half of a float32: widening is exact, and narrowing rounds to nearest even,
+// as PyTorch's conversion does. The 8-lane helpers exist wherever AVX2 does (AVX-512 CPUs too),
+// so that a kernel without an AVX-512 path for some feature can take the AVX2 one.
 #pragma once
 #include <ATen/ATen.h>
 #if defined(__x86_64__)
@@ -61,5 +63,83 @@ inline __m512 exp16(__m512 x) {
   for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);  // p * 2^n: inf above, 0 below float's range
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+// FP8 e4m3fn as in load16: its fields moved into float16's (bias 15 instead of 7), float16 ->
+// float32 (F16C), times 2^8; exact, subnormals included. 0x7f/0xff become float16 NaNs.
+inline __m256 load8(const at::Float8_e4m3fn* p) {
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  // (byte << 8) >> 1, arithmetic: the sign lands in bits 15 and 14; bit 14 is cleared.
+  __m128i halves = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(bytes, 8), 1),
+                                 _mm_set1_epi16(static_cast<short>(0xbfff)));
+  const __m128i magnitude = _mm_and_si128(bytes, _mm_set1_epi16(0x7f));
+  const __m128i is_nan = _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f));
+  halves = _mm_or_si128(halves, _mm_and_si128(is_nan, _mm_set1_epi16(0x7e00)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(halves), _mm256_set1_ps(256.f));
+}
+// FP8 e5m2 is the top byte of a float16: widened to 16 bits, then float16 -> float32.
+inline __m256 load8(const at::Float8_e5m2* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+}
+
+// v rounded to bf16, each in the low half of its 32-bit lane: round to nearest even by adding
+// 0x7fff plus the lowest kept bit, then dropping the low 16 bits; a NaN becomes 0x7fc0, as in
+// PyTorch's scalar conversion (c10::BFloat16). An infinity stays one, a float beyond bf16's
+// largest finite value rounds to infinity, as it should.
+inline __m256i bf16_lanes(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lowest_kept = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(lowest_kept, _mm256_set1_epi32(0x7fff));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), is_nan);
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i lanes = bf16_lanes(v);  // packs work per 128-bit half: the halves, packed
+  const __m128i halves =
+      _mm_packus_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), halves);
+}
+// v rounded to T's precision, as a float32 again.
+inline __m256 round_to(float*, __m256 v) { return v; }
+inline __m256 round_to(at::BFloat16*, __m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_lanes(v), 16));
+}
+
+// The sum of v's 8 lanes: the two 128-bit halves added, then pairs within.
+inline float add_lanes8(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+}
+
+// exp(x) of 8 floats, as exp16: x = n ln2 + r, e^r by its Taylor series to r^7, times 2^n.
+// AVX2 has no scalef, so 2^n is built in the exponent field in two halves, 2^(n/2) 2^(n - n/2),
+// each a normal float for every n the clamp allows (-150..128): the product then rounds once,
+// to infinity above float's range and through the subnormals to 0 below, as scalef does.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(89.f)), _mm256_set1_ps(-104.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i whole = _mm256_cvtps_epi32(n);
+  const __m256i first = _mm256_srai_epi32(whole, 1), second = _mm256_sub_epi32(whole, first);
+  const auto power = [](__m256i e) {  // 2^e for a normal float's exponent e
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+  };
+  return _mm256_mul_ps(_mm256_mul_ps(p, power(first)), power(second));
 }
 #endif
