@@ -156,7 +156,7 @@ class WideningLinearMethod(LinearMethod):
 
 
 def decode_gemv() -> Gemv | None:
-    """The compiled bf16 GEMV where it is built with this CPU's bf16 dot instructions."""
+    """The compiled bf16 GEMV where it is built with SIMD here (AVX512-BF16, or AVX2 and FMA)."""
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.bf16_gemv_is_vectorized():
         return None
