@@ -48,9 +48,12 @@ GEMV_MAX_ROWS = 4
 Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ([T, in], [out, in]) -> [T, out]
 
 
+# Most rows one GEMV call takes (csrc/gemv.cpp unrolls 1 to 8).
+GEMV_CALL_ROWS = 8
 # Fewest tokens for which a product widens its bf16 weight to float32 (WideningLinearMethod):
-# below it, bf16 `F.linear` costs less than the widening.
-WIDEN_MIN_ROWS = 16
+# below it, the GEMV in calls of 8 rows streams the bf16 weight for less (or, without the
+# GEMV, bf16 `F.linear` costs less than the widening).
+WIDEN_MIN_ROWS = 32
 
 
 @functools.cache
@@ -137,17 +140,18 @@ class PackedLinearMethod(LinearMethod):
 
 
 class WideningLinearMethod(LinearMethod):
-    """bf16 weights on a CPU without oneDNN's bf16 packing: decode steps stream the bf16 weight
-    (the compiled GEMV where built), products of `WIDEN_MIN_ROWS` tokens or more widen it to
-    float32 first (float32 sums either way, one rounding to bf16)."""
+    """bf16 weights on a CPU without oneDNN's bf16 packing: products of fewer than
+    `WIDEN_MIN_ROWS` tokens stream the bf16 weight through the compiled GEMV (8 rows a call),
+    larger ones widen it to float32 first (float32 sums either way, one rounding to bf16)."""
 
     def __init__(self, gemv: Gemv | None) -> None:
         self.gemv = gemv
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         rows = x.shape[0]
-        if self.gemv is not None and 1 <= rows <= GEMV_MAX_ROWS:
-            out = self.gemv(x, layer.weight)
+        if self.gemv is not None and 1 <= rows < WIDEN_MIN_ROWS:
+            parts = [self.gemv(part, layer.weight) for part in x.split(GEMV_CALL_ROWS)]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, out]
             return out if layer.bias is None else out + layer.bias
         if rows < WIDEN_MIN_ROWS or torch.compiler.is_compiling():
             return F.linear(x, layer.weight, layer.bias)

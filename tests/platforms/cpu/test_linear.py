@@ -17,6 +17,7 @@ from nanoserve.common.cpu_features import cpu_flags
 from nanoserve.core.layers.linear import DENSE, Linear
 from nanoserve.platforms.cpu import linear as cpu_linear
 from nanoserve.platforms.cpu.linear import (
+    GEMV_CALL_ROWS,
     GEMV_MAX_ROWS,
     WIDEN_MIN_ROWS,
     PackedLinearMethod,
@@ -143,7 +144,9 @@ def test_engine_decodes_through_the_gemv_and_keeps_the_plain_weights(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
     outputs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], params)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6]
-    assert 2 in rows_seen and max(rows_seen) <= GEMV_MAX_ROWS  # decode steps, not prefills
+    assert 2 in rows_seen  # the decode steps of both requests
+    # packed: decode steps only (prefills by oneDNN); widened: any product under 32 tokens too
+    assert max(rows_seen) <= (GEMV_MAX_ROWS if packing_works() else GEMV_CALL_ROWS)
 
 
 @needs_packing
@@ -180,7 +183,7 @@ def test_widened_products_equal_f_linear_in_float32(bias, cannot_pack):
     assert install_cpu_linears(layer, keep_plain_weights=False) == 1
     assert isinstance(layer.method, WideningLinearMethod)
     assert layer.weight is not None and getattr(layer, "packed_weight", None) is None
-    for num_tokens in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, WIDEN_MIN_ROWS, 70):
+    for num_tokens in (1, GEMV_CALL_ROWS, 19, WIDEN_MIN_ROWS, 70):
         x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
         wide = F.linear(
             x.float(), weight.float(), None if bias_values is None else bias_values.float()
@@ -193,15 +196,16 @@ def test_widened_products_equal_f_linear_in_float32(bias, cannot_pack):
             assert torch.equal(got, wide.to(torch.bfloat16))
 
 
-def test_widening_decode_steps_stream_the_bf16_weight_through_the_gemv(cannot_pack):
+def test_widening_small_products_stream_the_bf16_weight_through_the_gemv(cannot_pack):
+    """Up to WIDEN_MIN_ROWS - 1 tokens the GEMV takes them, 8 rows a call; more are widened."""
     layer, _, _ = _linear(bias=False)
     install_cpu_linears(layer, keep_plain_weights=False)
     assert layer.method.gemv is not None
     gemv, rows_seen = layer.method.gemv, []
     layer.method.gemv = lambda x, w: rows_seen.append(len(x)) or gemv(x, w)
-    for num_tokens in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, WIDEN_MIN_ROWS):
+    for num_tokens in (1, GEMV_CALL_ROWS, 19, WIDEN_MIN_ROWS):
         layer(torch.randn(num_tokens, 48, dtype=torch.bfloat16))
-    assert rows_seen == [1, GEMV_MAX_ROWS]
+    assert rows_seen == [1, GEMV_CALL_ROWS, 8, 8, 3]
 
 
 def test_engine_without_packing_generates_the_dense_tokens(tmp_path, monkeypatch, cannot_pack):
