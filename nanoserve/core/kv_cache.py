@@ -94,9 +94,6 @@ class KVCache:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         k_cache = zeros(shape, self.dtype, self.device)
         v_cache = zeros(shape, self.dtype, self.device)
-        # Fixed shapes: keeps torch.compile from tying a cache dim to an equal batch size.
-        torch._dynamo.mark_static(k_cache)
-        torch._dynamo.mark_static(v_cache)
         layer.bind(k_cache, v_cache, self.backend.for_layer(index))
         return k_cache, v_cache
 

@@ -58,6 +58,11 @@ class CompiledDecodeRunner(StepRunner):
     def __init__(self, eager: EagerStepRunner) -> None:
         super().__init__(eager.model)
         self.eager = eager
+        # The KV pool's shapes are fixed: keeps torch.compile from tying a cache dim to an equal
+        # batch size (marked here, not when allocated: importing torch._dynamo takes a second).
+        for layer in eager.model.attention_layers():
+            torch._dynamo.mark_static(layer.k_cache)
+            torch._dynamo.mark_static(layer.v_cache)
         self.compiled_model: Callable[..., torch.Tensor] = torch.compile(eager.model, dynamic=True)
         self.compiled_logits: Callable[[torch.Tensor], torch.Tensor] = torch.compile(
             eager.model.compute_logits, dynamic=True
