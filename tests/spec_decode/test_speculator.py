@@ -1,14 +1,18 @@
 """When the speculator drafts: decoding requests only, no grammars, within max_tokens, not at
-large batches, and not for a request whose drafts keep failing (until it tries again)."""
+large batches, as many as pay at the measured cost of a verify step, and not for a request
+whose drafts keep failing (until it tries again)."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
+
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.core.request import Request
-from nanoserve.spec_decode.speculator import FIRST_PAUSE_STEPS, AdaptiveSpeculator
+from nanoserve.spec_decode.speculator import FIRST_PAUSE_STEPS, AdaptiveSpeculator, plan_drafts
+from nanoserve.spec_decode.step_costs import MIN_SAMPLES, StepCosts
 
 
 class FixedProposer:
@@ -37,9 +41,28 @@ def decoding(request_id: str, max_tokens: int | None = 50) -> Request:
     return request
 
 
-def speculator(proposer, **config) -> AdaptiveSpeculator:
+def timed_costs(verify_s: dict[int, float], plain_s: float = 1.0) -> StepCosts:
+    """StepCosts that timed plain steps (of 1 to 7 requests) at `plain_s` and single-request
+    verify steps of T tokens at `verify_s[T]`."""
+    costs = StepCosts()
+    for _ in range(MIN_SAMPLES):
+        for num_requests in range(1, 8):
+            costs.observe(num_requests, 0, plain_s)
+        for num_tokens, seconds in verify_s.items():
+            costs.observe(1, num_tokens - 1, seconds)
+    return costs
+
+
+CHEAP = {2: 1.1, 3: 1.2, 4: 1.3}  # a draft costs a tenth of a plain step
+
+
+def speculator(
+    proposer, costs: StepCosts | None = None, clock=None, **config
+) -> AdaptiveSpeculator:
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3} | config)
-    return AdaptiveSpeculator(proposer, spec)
+    if clock is None:
+        return AdaptiveSpeculator(proposer, spec, costs or timed_costs(CHEAP))
+    return AdaptiveSpeculator(proposer, spec, costs, clock)
 
 
 def test_drafts_for_decoding_requests_within_max_tokens():
@@ -88,14 +111,14 @@ def step(request: Request, num_accepted: int) -> None:
 def test_fewer_drafts_as_they_fail_then_a_pause_then_one_draft_again():
     proposer = FixedProposer([7, 8, 9])
     spec, request = speculator(proposer), decoding("a", max_tokens=None)
-    spec.propose([request])
-    assert request.spec_token_ids == [7, 8, 9]  # no history: every draft is worth it
-    step(request, 0)
-    spec.propose([request])  # one rejection at the first draft: the chance is ~0.4
-    assert request.spec_token_ids == [7]
-    step(request, 0)
+    lengths = []
+    for _ in range(4):  # every draft rejected: the chance falls 1.0 -> 0.41 -> 0.22 -> 0.13
+        spec.propose([request])
+        lengths.append(len(request.spec_token_ids))
+        step(request, 0)
+    assert lengths == [3, 2, 1, 1]  # at 0.13 one draft still pays: it costs 0.1 of a step
     num_paused = 0
-    while True:  # the chance fell under 0.3: plain steps for a while
+    while True:  # at 0.08 not even one: plain steps for a while
         spec.propose([request])
         if request.spec_token_ids:
             break
@@ -110,7 +133,8 @@ def test_fewer_drafts_as_they_fail_then_a_pause_then_one_draft_again():
 
 
 def test_a_request_that_accepts_some_drafts_keeps_drafting_fewer():
-    spec, request = speculator(FixedProposer([7, 8, 9])), decoding("a", max_tokens=None)
+    costs = timed_costs({2: 1.2, 3: 1.4, 4: 1.6})  # a draft costs a fifth of a step
+    spec, request = speculator(FixedProposer([7, 8, 9]), costs), decoding("a", max_tokens=None)
     lengths = []
     for _ in range(12):
         spec.propose([request])
@@ -129,3 +153,64 @@ def test_a_request_whose_drafts_hold_keeps_drafting_and_finished_ones_are_forgot
     request.status = request.status.FINISHED
     spec.propose([])
     assert proposer.finished == ["a"] and spec.histories == {}
+
+
+def test_the_plan_drafts_more_when_verifying_is_cheap_and_none_when_it_is_dear():
+    # One request whose drafts hold half the time; costs[D]: verifying D drafts, in plain steps.
+    assert plan_drafts([0.5], [3], [1.0, 1.05, 1.1, 1.15], 1) == [3]
+    assert plan_drafts([0.5], [3], [1.0, 1.2, 1.4, 1.6], 1) == [1]
+    assert plan_drafts([0.5], [3], [1.0, 1.6, 1.8, 2.0], 1) == [0]
+    assert plan_drafts([0.95], [3], [1.0, 1.6, 1.8, 2.0], 1) == [3]  # 3.71 tokens for 2 steps
+
+
+@pytest.mark.parametrize("one_draft_cost", [1.1, 1.3, 1.5, 1.8])
+def test_a_lone_draft_is_made_when_its_chance_beats_what_it_adds_to_the_step(one_draft_cost):
+    extra = one_draft_cost - 1.0  # the break-even chance follows the measured cost
+    assert plan_drafts([extra + 0.01], [1], [1.0, one_draft_cost], 1) == [1]
+    assert plan_drafts([extra - 0.01], [1], [1.0, one_draft_cost], 1) == [0]
+
+
+def test_in_a_batch_the_likeliest_drafts_share_the_verify_step():
+    costs = [1.0, 1.3, 1.35, 1.4, 1.45, 1.5, 1.55]  # a dear first draft, then cheap ones
+    assert plan_drafts([0.9, 0.1], [3, 3], costs, 2) == [3, 0]
+    assert plan_drafts([0.9, 0.9], [3, 3], costs, 2) == [3, 3]
+    assert plan_drafts([1.0, 1.0], [2, 0], costs, 2) == [2, 0]  # ties: a request's in order
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def run_timed(spec: AdaptiveSpeculator, clock: Clock, request: Request, plain_s: float,
+              per_draft_s: float, num_steps: int, num_accepted: int = 0) -> list[int]:  # fmt: skip
+    """`num_steps` engine steps whose time the clock shows; the drafts given for each."""
+    lengths = []
+    for _ in range(num_steps):
+        spec.propose([request])
+        drafts = len(request.spec_token_ids)
+        lengths.append(drafts)
+        clock.now_s += plain_s + (per_draft_s * (1 + drafts) if drafts else 0.0)
+        step(request, min(num_accepted, drafts))
+    return lengths
+
+
+def test_steps_timed_on_the_clock_decide_the_drafts():
+    """First plain steps to time them; then drafts while the verify steps stay cheap, and
+    none once they are timed dear (here a step verifying 3 drafts costs 2.6 plain steps)."""
+    proposer = FixedProposer([7, 8, 9])
+    clock = Clock()
+    spec = speculator(proposer, StepCosts(), clock=clock)
+    request = decoding("a", max_tokens=None)
+    cheap = run_timed(spec, clock, request, 1.0, 0.05, 12, num_accepted=1)
+    assert cheap[:MIN_SAMPLES] == [0] * MIN_SAMPLES and all(cheap[MIN_SAMPLES:])
+    assert spec.costs.relative_costs(1, 2)[2] == pytest.approx(1.15)  # 2 drafts: 3 tokens
+    dear_spec = speculator(proposer, StepCosts(), clock=clock)
+    dear = run_timed(dear_spec, clock, decoding("b", max_tokens=None), 1.0, 0.4, 12, 1)
+    assert dear[MIN_SAMPLES] == 3  # before any verify step is timed: the prior's plan
+    assert dear[-4:] == [0, 0, 0, 0]  # timed: 1.5 expected tokens never pay 2.6 steps

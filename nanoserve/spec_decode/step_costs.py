@@ -1,0 +1,118 @@
+"""What a step that verifies drafts costs here, relative to a plain decode step, from timings.
+
+The speculator times every engine step whose requests were all decoding (from one `propose`
+to the next: the proposer, the forward pass, the sampler or the rejection sampler, and what the
+caller does with the tokens between steps). It tells `StepCosts` the step's shape and seconds:
+
+    plain steps   (no drafts) by the number of decoding requests B
+    verify steps  by the number of tokens they ran, T = B + D drafts
+
+each bucket keeping the median of its last `WINDOW` times (a median: a step that a garbage
+collection or another process stretched does not move it). `relative_costs(B, n)` then reads
+the cost of a step of B requests verifying D = 0..n drafts in plain steps of B requests:
+
+    cost(D) = verify_seconds(B + D) / plain_seconds(B),   cost(0) = 1
+
+A verify bucket with fewer than `MIN_SAMPLES` times is not known yet: between known buckets
+the time is interpolated; below the smallest, it is the smallest's (never cheaper than seen);
+above the largest, it grows by the slope between the last two (one known: `PRIOR_PER_DRAFT`
+plain steps a draft). With no verify bucket known, `PRIOR_FIXED + PRIOR_PER_DRAFT * D`.
+A batch size whose plain steps are not timed yet (or were last timed `REFRESH_STEPS` steps ago)
+asks for a plain step (`needs_plain_step`); its costs are read from the nearest one timed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import deque
+
+WINDOW = 16  # the times each bucket keeps
+MIN_SAMPLES = 3  # the times a bucket needs before it is trusted
+REFRESH_STEPS = 256  # verify steps at a batch size after which its plain time is taken again
+PRIOR_FIXED = 0.1  # before any verify step is timed: its cost beyond a plain step ...
+PRIOR_PER_DRAFT = 0.15  # ... and per draft (in plain steps; a 4-token step then costs 1.55)
+
+
+class TimedBucket:
+    """The last `WINDOW` times of one step shape, and their median."""
+
+    def __init__(self) -> None:
+        self.seconds: deque[float] = deque(maxlen=WINDOW)
+        self.median_s = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.seconds.append(seconds)
+        self.median_s = statistics.median(self.seconds)
+
+    @property
+    def is_known(self) -> bool:
+        return len(self.seconds) >= MIN_SAMPLES
+
+
+class StepCosts:
+    """Running estimates of plain and verify step times on this machine (see above)."""
+
+    def __init__(self) -> None:
+        self.plain: dict[int, TimedBucket] = {}  # by decoding requests B
+        self.verify: dict[int, TimedBucket] = {}  # by tokens run T = B + D
+        self.verify_steps_since_plain: dict[int, int] = {}  # by B
+        self._known_tokens: list[int] = []  # sorted T of the known verify buckets
+
+    def observe(self, num_requests: int, num_drafts: int, seconds: float) -> None:
+        """A step of `num_requests` decoding requests verifying `num_drafts` drafts took
+        `seconds`."""
+        if num_drafts == 0:
+            self.plain.setdefault(num_requests, TimedBucket()).add(seconds)
+            self.verify_steps_since_plain[num_requests] = 0
+            return
+        num_tokens = num_requests + num_drafts
+        bucket = self.verify.setdefault(num_tokens, TimedBucket())
+        bucket.add(seconds)
+        if bucket.is_known and num_tokens not in self._known_tokens:
+            bisect.insort(self._known_tokens, num_tokens)
+        steps = self.verify_steps_since_plain.get(num_requests, 0)
+        self.verify_steps_since_plain[num_requests] = steps + 1
+
+    def needs_plain_step(self, num_requests: int) -> bool:
+        """True when plain steps of `num_requests` requests need (re)timing first."""
+        bucket = self.plain.get(num_requests)
+        if bucket is None or not bucket.is_known:
+            return True
+        return self.verify_steps_since_plain.get(num_requests, 0) >= REFRESH_STEPS
+
+    def relative_costs(self, num_requests: int, max_drafts: int) -> list[float]:
+        """[max_drafts + 1]: the cost of a step verifying D drafts, in plain steps."""
+        plain_s = self._plain_seconds(num_requests)
+        if plain_s is None or not self._known_tokens:
+            return [1.0] + [1 + PRIOR_FIXED + PRIOR_PER_DRAFT * d for d in range(1, max_drafts + 1)]
+        times = [self.verify[t].median_s for t in self._known_tokens]
+        return [1.0] + [
+            self._verify_seconds(num_requests + d, times, plain_s) / plain_s
+            for d in range(1, max_drafts + 1)
+        ]
+
+    def _plain_seconds(self, num_requests: int) -> float | None:
+        """The median plain step of `num_requests` requests, else of the nearest count timed."""
+        known = [b for b, bucket in self.plain.items() if bucket.is_known]
+        if not known:
+            return None
+        nearest = min(known, key=lambda b: (abs(b - num_requests), b))
+        return self.plain[nearest].median_s
+
+    def _verify_seconds(self, num_tokens: int, times: list[float], plain_s: float) -> float:
+        """A verify step of `num_tokens` tokens, read off the known buckets' `times`."""
+        known = self._known_tokens
+        index = bisect.bisect_left(known, num_tokens)
+        if index < len(known) and known[index] == num_tokens:
+            return times[index]
+        if index == 0:
+            return times[0]
+        if index == len(known):
+            slope = PRIOR_PER_DRAFT * plain_s
+            if len(known) >= 2:
+                slope = max(0.0, (times[-1] - times[-2]) / (known[-1] - known[-2]))
+            return times[-1] + slope * (num_tokens - known[-1])
+        low, high = known[index - 1], known[index]
+        share = (num_tokens - low) / (high - low)
+        return times[index - 1] + share * (times[index] - times[index - 1])
