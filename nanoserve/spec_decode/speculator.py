@@ -22,8 +22,10 @@ When to draft (speculation must never make a workload meaningfully slower):
 - The first steps at each batch size are plain, to time them (and one again now and then).
 - A request given no drafts pauses (16 steps, doubling each time up to 512, back to 16 once
   it drafts by the rule above), then tries one draft whatever it costs: its chance starts over
-  from `FRESH_CHANCE`, so a hit (~0.7) brings its drafts back and a miss pauses it longer. A
-  proposer that finds nothing to draft (no n-gram match) costs little.
+  from `FRESH_CHANCE`, so a hit (~0.7) brings its drafts back and a miss pauses it longer.
+- A request for which the proposer finds nothing (no n-gram match) is asked again at once, but
+  where a proposer call costs `DEAR_LOOKUP` (1%) of a plain step or more (timed, as the steps
+  are), after 1, 3, 7 and then 15 steps while it keeps finding nothing.
 
 Metrics (vLLM's spec_decode counters) and a log line every `LOG_INTERVAL_S` with the
 acceptance rate and the mean acceptance length.
@@ -52,6 +54,8 @@ logger = logging.getLogger("nanoserve.spec_decode")
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 CHANCE_DECAY = 0.7  # the weight of a request's earlier steps in its acceptance estimate
 FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 16, 512
+MAX_EMPTY_WAIT_STEPS = 15  # the longest wait after the proposer found nothing to draft
+DEAR_LOOKUP = 0.01  # a proposer call costing this share of a plain step is worth sparing
 FRESH_CHANCE = 0.3  # the estimate a request's trial draft starts from after a pause
 LOG_INTERVAL_S = 10.0
 
@@ -80,6 +84,7 @@ class DraftHistory:
     pause_steps: int = 0  # steps left without drafts
     next_pause: int = FIRST_PAUSE_STEPS
     is_trial_due: bool = False  # after its pause: one draft, whatever it costs
+    empty_wait_steps: int = 0  # the wait after the proposer next finds nothing to draft
 
     @property
     def draft_chance(self) -> float:
@@ -98,6 +103,17 @@ class DraftHistory:
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
         self.num_accepted, self.num_trials = FRESH_CHANCE, 1.0
         self.is_trial_due = True
+
+    def found(self, num_drafts: int, is_lookup_dear: bool) -> None:
+        """The proposer gave `num_drafts` drafts; none again and again, where asking it costs
+        a share of a step worth sparing: ask less often (0, 1, 3, 7 ... steps later)."""
+        if num_drafts:
+            self.empty_wait_steps, self.is_trial_due = 0, False
+            return
+        if not is_lookup_dear:
+            return
+        self.pause_steps = max(self.pause_steps, self.empty_wait_steps)
+        self.empty_wait_steps = min(2 * self.empty_wait_steps + 1, MAX_EMPTY_WAIT_STEPS)
 
 
 def plan_drafts(
@@ -202,15 +218,19 @@ class AdaptiveSpeculator(Speculator):
 
     def _give_drafts(self, requests: list[Request], counts: list[int]) -> int:
         """Ask the proposer for up to `counts[i]` drafts of `requests[i]`; how many it gave."""
+        started_s = self.clock()
+        proposed = self.proposer.propose(requests, counts)
+        self.costs.observe_lookup(len(requests), self.clock() - started_s)
+        is_lookup_dear = self.costs.lookup_cost(len(requests)) >= DEAR_LOOKUP
         num_drafts = 0
-        for request, drafts in zip(requests, self.proposer.propose(requests, counts), strict=True):
+        for request, drafts in zip(requests, proposed, strict=True):
             if request.grammar is not None:  # only what the grammar accepts is drafted
                 drafts = drafts[: request.grammar.count_valid(drafts)]
             request.spec_token_ids = drafts
             history = self.histories[request.request_id][1]
             history.num_drafted = len(drafts)
             history.num_output_before = request.num_output_tokens
-            history.is_trial_due = history.is_trial_due and not drafts
+            history.found(len(drafts), is_lookup_dear)
             num_drafts += len(drafts)
         return num_drafts
 

@@ -17,6 +17,7 @@ A verify bucket with fewer than `MIN_SAMPLES` times is not known yet: between kn
 the time is interpolated; below the smallest, it is the smallest's (never cheaper than seen);
 above the largest, it grows by the slope between the last two (one known: `PRIOR_PER_DRAFT`
 plain steps a draft). With no verify bucket known, `PRIOR_FIXED + PRIOR_PER_DRAFT * D`.
+The proposer's calls are timed too (`lookup_cost`: per request, in plain steps).
 A batch size whose plain steps are not timed yet (or were last timed `REFRESH_STEPS` steps ago)
 asks for a plain step (`needs_plain_step`); its costs are read from the nearest one timed.
 """
@@ -58,6 +59,7 @@ class StepCosts:
         self.verify: dict[int, TimedBucket] = {}  # by tokens run T = B + D
         self.verify_steps_since_plain: dict[int, int] = {}  # by B
         self._known_tokens: list[int] = []  # sorted T of the known verify buckets
+        self.lookup = TimedBucket()  # the proposer's calls, per request asked
 
     def observe(self, num_requests: int, num_drafts: int, seconds: float) -> None:
         """A step of `num_requests` decoding requests verifying `num_drafts` drafts took
@@ -73,6 +75,17 @@ class StepCosts:
             bisect.insort(self._known_tokens, num_tokens)
         steps = self.verify_steps_since_plain.get(num_requests, 0)
         self.verify_steps_since_plain[num_requests] = steps + 1
+
+    def observe_lookup(self, num_requests: int, seconds: float) -> None:
+        """The proposer took `seconds` to draft for `num_requests` requests."""
+        self.lookup.add(seconds / num_requests)
+
+    def lookup_cost(self, num_requests: int) -> float:
+        """What asking the proposer for one request costs, in plain steps (0 until timed)."""
+        plain_s = self._plain_seconds(num_requests)
+        if plain_s is None or not self.lookup.is_known:
+            return 0.0
+        return self.lookup.median_s / plain_s
 
     def needs_plain_step(self, num_requests: int) -> bool:
         """True when plain steps of `num_requests` requests need (re)timing first."""

@@ -214,3 +214,34 @@ def test_steps_timed_on_the_clock_decide_the_drafts():
     dear = run_timed(dear_spec, clock, decoding("b", max_tokens=None), 1.0, 0.4, 12, 1)
     assert dear[MIN_SAMPLES] == 3  # before any verify step is timed: the prior's plan
     assert dear[-4:] == [0, 0, 0, 0]  # timed: 1.5 expected tokens never pay 2.6 steps
+
+
+class EmptyProposer(FixedProposer):
+    """Finds nothing to draft, and takes `lookup_s` on the clock to say so."""
+
+    def __init__(self, clock: Clock, lookup_s: float) -> None:
+        super().__init__([])
+        self.clock, self.lookup_s = clock, lookup_s
+
+    def propose(self, requests, num_tokens):
+        self.clock.now_s += self.lookup_s
+        return super().propose(requests, num_tokens)
+
+
+@pytest.mark.parametrize("lookup_s", [0.0001, 0.05])
+def test_a_proposer_that_finds_nothing_is_asked_less_often_where_asking_costs(lookup_s):
+    clock = Clock()
+    proposer = EmptyProposer(clock, lookup_s)
+    spec = speculator(proposer, timed_costs(CHEAP), clock=clock)
+    request = decoding("a", max_tokens=None)
+    asked_at = []
+    for index in range(40):
+        spec.propose([request])
+        if proposer.asked and len(proposer.asked) > len(asked_at):
+            asked_at.append(index)
+        clock.now_s += 1.0
+        step(request, 0)
+    if lookup_s < 0.01:  # a hundredth of a step or less: asked every step
+        assert asked_at == list(range(40))
+    else:  # after the first 3 timed asks: waits of 0, 1, 3, 7, 15 steps, then 15 again
+        assert asked_at == [0, 1, 2, 3, 5, 9, 17, 33]
