@@ -17,7 +17,7 @@ When to draft (speculation must never make a workload meaningfully slower):
   and none unless that beats a plain step (B / 1). So the j-th draft of a lone request is made
   only while chance^j exceeds what one more draft costs, cost(j) - cost(j - 1), times the
   tokens per step already planned; and the first draft also pays for everything a verify step
-  costs beyond a plain one (on a ~1 ms step, mostly fixed costs) since, if rejected, the step
+  costs beyond a plain one (a draft model's own steps included) since, if rejected, the step
   still gives one token. Cheap verify steps: more drafts; dear ones: fewer, or none.
 - The first steps at each batch size are plain, to time them (and one again now and then).
 - A request given no drafts pauses (16 steps, doubling each time up to 512, back to 16 once
