@@ -8,17 +8,18 @@ When to draft (speculation must never make a workload meaningfully slower):
 - Not in a step where `disable_by_batch_size` requests (default 8) or more are decoding: a
   batch that large already fills the step with tokens.
 - As many drafts as make the step pay most, by what steps cost on this machine. Each request
-  keeps an estimate of the chance that one more of its draft tokens is accepted (accepted
-  drafts over accepted drafts plus rejections, decaying so that recent steps count most), so
-  its j-th draft adds chance^j expected tokens. `StepCosts` (`step_costs.py`) times the
-  engine's own steps and says what a step verifying D drafts costs, in plain steps of the same
-  requests: cost(D). Of all the draft counts, the step takes the one with the most expected
-  tokens per second, (B + the D likeliest drafts' chances) / cost(D) for B decoding requests,
-  and none unless that beats a plain step (B / 1). So the j-th draft of a lone request is made
-  only while chance^j exceeds what one more draft costs, cost(j) - cost(j - 1), times the
-  tokens per step already planned; and the first draft also pays for everything a verify step
-  costs beyond a plain one (a draft model's own steps included) since, if rejected, the step
-  still gives one token. Cheap verify steps: more drafts; dear ones: fewer, or none.
+  keeps, per draft position, an estimate of the chance that its draft there is accepted if
+  the ones before it are (decaying, so that recent steps count most); their product up to
+  position j is the chance its j-th draft holds, the tokens that draft adds. `StepCosts`
+  (`step_costs.py`) times the engine's own steps and says what a step verifying D drafts
+  costs, in plain steps of the same requests: cost(D). Of all the draft counts, the step
+  takes the one with the most expected tokens per second, (B + the D likeliest drafts'
+  chances) / cost(D) for B decoding requests, and none unless that beats a plain step (B / 1).
+  So the j-th draft of a lone request is made only while its chance exceeds what one more
+  draft costs, cost(j) - cost(j - 1), times the tokens per step already planned; and the
+  first draft also pays for everything a verify step costs beyond a plain one (a draft
+  model's own steps included) since, if rejected, the step still gives one token. Cheap
+  verify steps: more drafts; dear ones: fewer, or none.
 - The first steps at each batch size are plain, to time them (and one again now and then).
 - A request given no drafts pauses (16 steps, doubling each time up to 512, back to 16 once
   it drafts by the rule above), then tries one draft whatever it costs: its chance starts over
@@ -36,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -75,10 +76,17 @@ class Proposer(Protocol):
 
 @dataclass
 class DraftHistory:
-    """One request's record of drafting: how well its drafts fared, and any pause."""
+    """One request's record of drafting: how well its drafts fared by position, and any pause.
 
-    num_accepted: float = 1.0  # decayed counts of its accepted drafts ...
-    num_trials: float = 1.0  # ... and of those plus rejections: one draft chance at 1.0
+    Per draft position j, decayed counts of the steps whose drafts reached it (every draft
+    before it accepted) and of those that accepted it: their ratio (past the first, drawn
+    towards position j - 1's) is the chance that its j-th draft holds if the ones before do.
+    Positions differ: a copied passage's first draft may miss where the rest, once it hits,
+    rarely do.
+    """
+
+    accepted: list[float] = field(default_factory=lambda: [1.0])  # by position: one
+    reached: list[float] = field(default_factory=lambda: [1.0])  # draft chance at 1.0
     num_drafted: int = 0  # drafts given for the step in flight (0: none)
     num_output_before: int = 0  # its output length when they were given
     pause_steps: int = 0  # steps left without drafts
@@ -88,20 +96,39 @@ class DraftHistory:
 
     @property
     def draft_chance(self) -> float:
-        """The estimated chance that its next draft token is accepted."""
-        return self.num_accepted / self.num_trials
+        """The estimated chance that its next first draft token is accepted."""
+        return self.acceptance(1)[0]
+
+    def acceptance(self, num_drafts: int) -> list[float]:
+        """[num_drafts]: the chance that each of its next drafts is accepted (and all before)."""
+        conditional = self.accepted[0] / self.reached[0]
+        chances, chance = [], 1.0
+        for position in range(num_drafts):
+            if 0 < position < len(self.reached):  # one reached seldom keeps near the last
+                reached = self.reached[position]
+                conditional = (self.accepted[position] + conditional) / (reached + 1.0)
+            chance *= conditional
+            chances.append(chance)
+        return chances
 
     def learn(self, num_accepted: int, num_drafted: int) -> None:
-        """One verify step: `num_accepted` of `num_drafted` drafts held."""
-        rejected = 1 if num_accepted < num_drafted else 0
-        self.num_accepted = CHANCE_DECAY * self.num_accepted + num_accepted
-        self.num_trials = CHANCE_DECAY * self.num_trials + num_accepted + rejected
+        """One verify step: the first `num_accepted` of its `num_drafted` drafts held."""
+        num_reached = min(num_accepted + 1, num_drafted)
+        while len(self.reached) < num_reached:
+            self.accepted.append(0.0)
+            self.reached.append(0.0)
+        for position in range(len(self.reached)):
+            self.accepted[position] *= CHANCE_DECAY
+            self.reached[position] *= CHANCE_DECAY
+            if position < num_reached:
+                self.reached[position] += 1.0
+                self.accepted[position] += 1.0 if position < num_accepted else 0.0
 
     def pause(self) -> None:
         """No drafts for a while (this step the first), then a trial from a fresh estimate."""
         self.pause_steps = self.next_pause - 1
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
-        self.num_accepted, self.num_trials = FRESH_CHANCE, 1.0
+        self.accepted, self.reached = [FRESH_CHANCE], [1.0]
         self.is_trial_due = True
 
     def found(self, num_drafts: int, is_lookup_dear: bool) -> None:
@@ -116,17 +143,16 @@ class DraftHistory:
         self.empty_wait_steps = min(2 * self.empty_wait_steps + 1, MAX_EMPTY_WAIT_STEPS)
 
 
-def plan_drafts(
-    chances: list[float], limits: list[int], costs: list[float], num_requests: int
-) -> list[int]:
+def plan_drafts(acceptance: list[list[float]], costs: list[float], num_requests: int) -> list[int]:
     """Drafts per request: the counts with the most expected tokens per second in a step of
-    `num_requests` decoding requests, where `costs[D]` is the cost of verifying D drafts in
-    all, in plain steps. The j-th draft of a request with chance c is accepted with c^j."""
+    `num_requests` decoding requests. `acceptance[i]`: the chance that each draft request i
+    may have is accepted (non-increasing); `costs[D]`: verifying D drafts in all, in plain
+    steps."""
     gains = sorted(  # likeliest first; each request's in order (ties: chance 1.0)
         (
-            (chance**j, j, index)
-            for index, (chance, limit) in enumerate(zip(chances, limits, strict=True))
-            for j in range(1, limit + 1)
+            (chance, position, index)
+            for index, chances in enumerate(acceptance)
+            for position, chance in enumerate(chances)
         ),
         key=lambda gain: (-gain[0], gain[1]),
     )
@@ -136,7 +162,7 @@ def plan_drafts(
         expected += gain
         if expected / costs[num_drafts] > best_rate:
             best_rate, best_num_drafts = expected / costs[num_drafts], num_drafts
-    counts = [0] * len(chances)
+    counts = [0] * len(acceptance)
     for _, _, index in gains[:best_num_drafts]:
         counts[index] += 1
     return counts
@@ -198,8 +224,10 @@ class AdaptiveSpeculator(Speculator):
         histories = [self.histories[r.request_id][1] for r in decoding]
         is_trial = [h.is_trial_due and n > 0 for h, n in zip(histories, limits, strict=True)]
         planned = plan_drafts(
-            [h.draft_chance for h in histories],
-            [0 if trial else n for trial, n in zip(is_trial, limits, strict=True)],
+            [
+                h.acceptance(0 if trial else n)
+                for h, trial, n in zip(histories, is_trial, limits, strict=True)
+            ],
             self.costs.relative_costs(len(decoding), sum(limits)),
             len(decoding),
         )

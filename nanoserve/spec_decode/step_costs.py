@@ -15,8 +15,10 @@ the cost of a step of B requests verifying D = 0..n drafts in plain steps of B r
 
 A verify bucket with fewer than `MIN_SAMPLES` times is not known yet: between known buckets
 the time is interpolated; below the smallest, it is the smallest's (never cheaper than seen);
-above the largest, it grows by the slope between the last two (one known: `PRIOR_PER_DRAFT`
-plain steps a draft). With no verify bucket known, `PRIOR_FIXED + PRIOR_PER_DRAFT * D`.
+above the largest, it grows by `PRIOR_PER_DRAFT` plain steps a token. That guess is hopeful on
+purpose: a step's cost often grows more slowly with more tokens (a CPU's matrix products change
+method at some size; a GPU's are nearly flat), and a longer step that is never tried is never
+timed. With no verify bucket known, `PRIOR_FIXED + PRIOR_PER_DRAFT * D`.
 The proposer's calls are timed too (`lookup_cost`: per request, in plain steps).
 A batch size whose plain steps are not timed yet (or were last timed `REFRESH_STEPS` steps ago)
 asks for a plain step (`needs_plain_step`); its costs are read from the nearest one timed.
@@ -121,11 +123,8 @@ class StepCosts:
             return times[index]
         if index == 0:
             return times[0]
-        if index == len(known):
-            slope = PRIOR_PER_DRAFT * plain_s
-            if len(known) >= 2:
-                slope = max(0.0, (times[-1] - times[-2]) / (known[-1] - known[-2]))
-            return times[-1] + slope * (num_tokens - known[-1])
+        if index == len(known):  # hopeful, so that it gets tried (and timed)
+            return times[-1] + PRIOR_PER_DRAFT * plain_s * (num_tokens - known[-1])
         low, high = known[index - 1], known[index]
         share = (num_tokens - low) / (high - low)
         return times[index - 1] + share * (times[index] - times[index - 1])

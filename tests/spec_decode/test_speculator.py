@@ -11,7 +11,12 @@ import pytest
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.core.request import Request
-from nanoserve.spec_decode.speculator import FIRST_PAUSE_STEPS, AdaptiveSpeculator, plan_drafts
+from nanoserve.spec_decode.speculator import (
+    FIRST_PAUSE_STEPS,
+    AdaptiveSpeculator,
+    DraftHistory,
+    plan_drafts,
+)
 from nanoserve.spec_decode.step_costs import MIN_SAMPLES, StepCosts
 
 
@@ -155,26 +160,36 @@ def test_a_request_whose_drafts_hold_keeps_drafting_and_finished_ones_are_forgot
     assert proposer.finished == ["a"] and spec.histories == {}
 
 
+def geometric(chance: float, num_drafts: int) -> list[float]:
+    """Each draft held with `chance` if the one before did: chance^j for the j-th."""
+    return [chance**j for j in range(1, num_drafts + 1)]
+
+
 def test_the_plan_drafts_more_when_verifying_is_cheap_and_none_when_it_is_dear():
     # One request whose drafts hold half the time; costs[D]: verifying D drafts, in plain steps.
-    assert plan_drafts([0.5], [3], [1.0, 1.05, 1.1, 1.15], 1) == [3]
-    assert plan_drafts([0.5], [3], [1.0, 1.2, 1.4, 1.6], 1) == [1]
-    assert plan_drafts([0.5], [3], [1.0, 1.6, 1.8, 2.0], 1) == [0]
-    assert plan_drafts([0.95], [3], [1.0, 1.6, 1.8, 2.0], 1) == [3]  # 3.71 tokens for 2 steps
+    half = [geometric(0.5, 3)]
+    assert plan_drafts(half, [1.0, 1.05, 1.1, 1.15], 1) == [3]
+    assert plan_drafts(half, [1.0, 1.2, 1.4, 1.6], 1) == [1]
+    assert plan_drafts(half, [1.0, 1.6, 1.8, 2.0], 1) == [0]
+    assert plan_drafts([geometric(0.95, 3)], [1.0, 1.6, 1.8, 2.0], 1) == [3]  # 3.71 for 2.0
+    # A first draft at 0.6 whose followers, once it holds, hold at 0.95: worth 3 after all.
+    dear = [1.0, 1.6, 2.0, 2.3]
+    assert plan_drafts([geometric(0.6, 3)], dear, 1) == [0]
+    assert plan_drafts([[0.6, 0.57, 0.54]], dear, 1) == [3]
 
 
 @pytest.mark.parametrize("one_draft_cost", [1.1, 1.3, 1.5, 1.8])
 def test_a_lone_draft_is_made_when_its_chance_beats_what_it_adds_to_the_step(one_draft_cost):
     extra = one_draft_cost - 1.0  # the break-even chance follows the measured cost
-    assert plan_drafts([extra + 0.01], [1], [1.0, one_draft_cost], 1) == [1]
-    assert plan_drafts([extra - 0.01], [1], [1.0, one_draft_cost], 1) == [0]
+    assert plan_drafts([[extra + 0.01]], [1.0, one_draft_cost], 1) == [1]
+    assert plan_drafts([[extra - 0.01]], [1.0, one_draft_cost], 1) == [0]
 
 
 def test_in_a_batch_the_likeliest_drafts_share_the_verify_step():
     costs = [1.0, 1.3, 1.35, 1.4, 1.45, 1.5, 1.55]  # a dear first draft, then cheap ones
-    assert plan_drafts([0.9, 0.1], [3, 3], costs, 2) == [3, 0]
-    assert plan_drafts([0.9, 0.9], [3, 3], costs, 2) == [3, 3]
-    assert plan_drafts([1.0, 1.0], [2, 0], costs, 2) == [2, 0]  # ties: a request's in order
+    assert plan_drafts([geometric(0.9, 3), geometric(0.1, 3)], costs, 2) == [3, 0]
+    assert plan_drafts([geometric(0.9, 3), geometric(0.9, 3)], costs, 2) == [3, 3]
+    assert plan_drafts([[1.0, 1.0], []], costs, 2) == [2, 0]  # ties: a request's in order
 
 
 class Clock:
@@ -202,18 +217,22 @@ def run_timed(spec: AdaptiveSpeculator, clock: Clock, request: Request, plain_s:
 
 def test_steps_timed_on_the_clock_decide_the_drafts():
     """First plain steps to time them; then drafts while the verify steps stay cheap, and
-    none once they are timed dear (here a step verifying 3 drafts costs 2.6 plain steps)."""
+    none once they are timed dear, but for a trial draft after each pause. Each request's
+    first draft always holds, its second never."""
     proposer = FixedProposer([7, 8, 9])
     clock = Clock()
     spec = speculator(proposer, StepCosts(), clock=clock)
-    request = decoding("a", max_tokens=None)
-    cheap = run_timed(spec, clock, request, 1.0, 0.05, 12, num_accepted=1)
-    assert cheap[:MIN_SAMPLES] == [0] * MIN_SAMPLES and all(cheap[MIN_SAMPLES:])
-    assert spec.costs.relative_costs(1, 2)[2] == pytest.approx(1.15)  # 2 drafts: 3 tokens
-    dear_spec = speculator(proposer, StepCosts(), clock=clock)
-    dear = run_timed(dear_spec, clock, decoding("b", max_tokens=None), 1.0, 0.4, 12, 1)
-    assert dear[MIN_SAMPLES] == 3  # before any verify step is timed: the prior's plan
-    assert dear[-4:] == [0, 0, 0, 0]  # timed: 1.5 expected tokens never pay 2.6 steps
+    cheap = run_timed(spec, clock, decoding("a", max_tokens=None), 1.0, 0.05, 30, 1)
+    assert cheap[:MIN_SAMPLES] == [0] * MIN_SAMPLES and cheap[MIN_SAMPLES] == 3  # the prior's
+    assert cheap[MIN_SAMPLES + 1 :] == [2] * (30 - MIN_SAMPLES - 1)  # 2.2 tokens for 1.15
+    assert spec.costs.relative_costs(1, 2)[2] == pytest.approx(1.15)  # 3 tokens: 1 + 3 x 0.05
+    spec = speculator(proposer, StepCosts(), clock=clock)
+    dear = run_timed(spec, clock, decoding("b", max_tokens=None), 1.0, 0.8, 30, 1)
+    assert spec.costs.relative_costs(1, 2)[2] == pytest.approx(3.4)
+    first_pause = dear.index(0, MIN_SAMPLES)  # once the 3-token step is timed dear: none
+    assert dear[first_pause : first_pause + FIRST_PAUSE_STEPS] == [0] * FIRST_PAUSE_STEPS
+    assert dear[first_pause + FIRST_PAUSE_STEPS] == 1  # a trial, then another pause
+    assert dear[first_pause + FIRST_PAUSE_STEPS + 1 :] == [0] * 6
 
 
 class EmptyProposer(FixedProposer):
@@ -245,3 +264,17 @@ def test_a_proposer_that_finds_nothing_is_asked_less_often_where_asking_costs(lo
         assert asked_at == list(range(40))
     else:  # after the first 3 timed asks: waits of 0, 1, 3, 7, 15 steps, then 15 again
         assert asked_at == [0, 1, 2, 3, 5, 9, 17, 33]
+
+
+def test_drafts_that_hold_together_are_estimated_by_position():
+    """Half the steps miss at the first draft, the rest keep all three: past the first, the
+    drafts hold almost surely, not with the first's chance again."""
+    history = DraftHistory()
+    for _ in range(10):
+        history.learn(0, 3)
+        history.learn(3, 3)
+    first, second, third = history.acceptance(3)
+    assert 0.5 < first < 0.65  # decayed: the last step (all held) counts most
+    assert second / first > 0.8 and third / second > 0.8  # where one chance would say 0.59
+    chances = history.acceptance(5)  # positions never reached keep the last one's chance
+    assert chances[3] / chances[2] == pytest.approx(third / second)

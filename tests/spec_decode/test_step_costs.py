@@ -46,13 +46,14 @@ def test_plain_steps_are_timed_first_at_each_batch_size_and_again_now_and_then()
 def test_verify_costs_are_read_off_the_timed_buckets_in_plain_steps():
     # plain 1 s; 2 tokens (1 draft) 2.5 s; 4 tokens (3 drafts) 3.5 s; 5 tokens (4 drafts) 4.5 s
     costs = observed([(1, 0, 1.0), (1, 1, 2.5), (1, 3, 3.5), (1, 4, 4.5)])
-    # D = 2 between the buckets; D = 6 beyond the last, at the slope of the last two
-    assert costs.relative_costs(1, 6) == pytest.approx([1.0, 2.5, 3.0, 3.5, 4.5, 5.5, 6.5])
+    # D = 2 between the buckets; D = 5, 6 beyond the last: a hopeful PRIOR_PER_DRAFT a token
+    beyond = [4.5 + PRIOR_PER_DRAFT, 4.5 + 2 * PRIOR_PER_DRAFT]
+    assert costs.relative_costs(1, 6) == pytest.approx([1.0, 2.5, 3.0, 3.5, 4.5, *beyond])
 
 
 def test_below_the_smallest_bucket_a_step_costs_what_that_one_does():
     costs = observed([(1, 0, 2.0), (1, 3, 5.0)])  # only 3 drafts timed: 2.5 plain steps
-    beyond = 2.5 + PRIOR_PER_DRAFT  # one bucket: the prior slope
+    beyond = 2.5 + PRIOR_PER_DRAFT
     assert costs.relative_costs(1, 4) == pytest.approx([1.0, 2.5, 2.5, 2.5, beyond])
 
 
