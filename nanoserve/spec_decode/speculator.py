@@ -20,7 +20,8 @@ When to draft (speculation must never make a workload meaningfully slower):
   first draft also pays for everything a verify step costs beyond a plain one (a draft
   model's own steps included) since, if rejected, the step still gives one token. Cheap
   verify steps: more drafts; dear ones: fewer, or none.
-- The first steps at each batch size are plain, to time them (and one again now and then).
+- The first steps at each batch size are plain, to time them (and again once those times
+  are stale).
 - A request given no drafts pauses (16 steps, doubling each time up to 512, back to 16 once
   it drafts by the rule above), then tries one draft whatever it costs: its chance starts over
   from `FRESH_CHANCE`, so a hit (~0.7) brings its drafts back and a miss pauses it longer.

@@ -20,8 +20,10 @@ purpose: a step's cost often grows more slowly with more tokens (a CPU's matrix 
 method at some size; a GPU's are nearly flat), and a longer step that is never tried is never
 timed. With no verify bucket known, `PRIOR_FIXED + PRIOR_PER_DRAFT * D`.
 The proposer's calls are timed too (`lookup_cost`: per request, in plain steps).
-A batch size whose plain steps are not timed yet (or were last timed `REFRESH_STEPS` steps ago)
-asks for a plain step (`needs_plain_step`); its costs are read from the nearest one timed.
+Times go stale: a bucket not timed in the last `MAX_AGE_STEPS` steps counts as not known
+(its next time starts it afresh), since the machine's load moves and a shape once timed dear
+would otherwise never be tried again. A batch size whose plain steps are not known asks for a
+plain step (`needs_plain_step`); its costs are read from the nearest one known.
 """
 
 from __future__ import annotations
@@ -32,25 +34,29 @@ from collections import deque
 
 WINDOW = 16  # the times each bucket keeps
 MIN_SAMPLES = 3  # the times a bucket needs before it is trusted
-REFRESH_STEPS = 256  # verify steps at a batch size after which its plain time is taken again
+MAX_AGE_STEPS = 256  # steps (timed ones, of any shape) after which a bucket's times are stale
 PRIOR_FIXED = 0.1  # before any verify step is timed: its cost beyond a plain step ...
 PRIOR_PER_DRAFT = 0.15  # ... and per draft (in plain steps; a 4-token step then costs 1.55)
 
 
 class TimedBucket:
-    """The last `WINDOW` times of one step shape, and their median."""
+    """The last `WINDOW` times of one step shape, their median, and when the last came."""
 
     def __init__(self) -> None:
         self.seconds: deque[float] = deque(maxlen=WINDOW)
         self.median_s = 0.0
+        self.last_step = 0
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, step: int) -> None:
+        if step - self.last_step > MAX_AGE_STEPS:
+            self.seconds.clear()  # stale: start afresh
         self.seconds.append(seconds)
         self.median_s = statistics.median(self.seconds)
+        self.last_step = step
 
-    @property
-    def is_known(self) -> bool:
-        return len(self.seconds) >= MIN_SAMPLES
+    def is_known(self, step: int) -> bool:
+        """Timed often enough, and lately (as of timed step number `step`)."""
+        return len(self.seconds) >= MIN_SAMPLES and step - self.last_step <= MAX_AGE_STEPS
 
 
 class StepCosts:
@@ -59,65 +65,60 @@ class StepCosts:
     def __init__(self) -> None:
         self.plain: dict[int, TimedBucket] = {}  # by decoding requests B
         self.verify: dict[int, TimedBucket] = {}  # by tokens run T = B + D
-        self.verify_steps_since_plain: dict[int, int] = {}  # by B
-        self._known_tokens: list[int] = []  # sorted T of the known verify buckets
         self.lookup = TimedBucket()  # the proposer's calls, per request asked
+        self.num_steps = 0  # steps timed so far: the buckets' clock
 
     def observe(self, num_requests: int, num_drafts: int, seconds: float) -> None:
         """A step of `num_requests` decoding requests verifying `num_drafts` drafts took
         `seconds`."""
+        self.num_steps += 1
         if num_drafts == 0:
-            self.plain.setdefault(num_requests, TimedBucket()).add(seconds)
-            self.verify_steps_since_plain[num_requests] = 0
-            return
-        num_tokens = num_requests + num_drafts
-        bucket = self.verify.setdefault(num_tokens, TimedBucket())
-        bucket.add(seconds)
-        if bucket.is_known and num_tokens not in self._known_tokens:
-            bisect.insort(self._known_tokens, num_tokens)
-        steps = self.verify_steps_since_plain.get(num_requests, 0)
-        self.verify_steps_since_plain[num_requests] = steps + 1
+            bucket = self.plain.setdefault(num_requests, TimedBucket())
+        else:
+            bucket = self.verify.setdefault(num_requests + num_drafts, TimedBucket())
+        bucket.add(seconds, self.num_steps)
 
     def observe_lookup(self, num_requests: int, seconds: float) -> None:
         """The proposer took `seconds` to draft for `num_requests` requests."""
-        self.lookup.add(seconds / num_requests)
+        self.lookup.add(seconds / num_requests, self.num_steps)
 
     def lookup_cost(self, num_requests: int) -> float:
         """What asking the proposer for one request costs, in plain steps (0 until timed)."""
         plain_s = self._plain_seconds(num_requests)
-        if plain_s is None or not self.lookup.is_known:
+        if plain_s is None or not self.lookup.is_known(self.num_steps):
             return 0.0
         return self.lookup.median_s / plain_s
 
     def needs_plain_step(self, num_requests: int) -> bool:
         """True when plain steps of `num_requests` requests need (re)timing first."""
         bucket = self.plain.get(num_requests)
-        if bucket is None or not bucket.is_known:
-            return True
-        return self.verify_steps_since_plain.get(num_requests, 0) >= REFRESH_STEPS
+        return bucket is None or not bucket.is_known(self.num_steps)
 
     def relative_costs(self, num_requests: int, max_drafts: int) -> list[float]:
         """[max_drafts + 1]: the cost of a step verifying D drafts, in plain steps."""
         plain_s = self._plain_seconds(num_requests)
-        if plain_s is None or not self._known_tokens:
+        known = sorted(t for t, bucket in self.verify.items() if bucket.is_known(self.num_steps))
+        if plain_s is None or not known:
             return [1.0] + [1 + PRIOR_FIXED + PRIOR_PER_DRAFT * d for d in range(1, max_drafts + 1)]
-        times = [self.verify[t].median_s for t in self._known_tokens]
+        times = [self.verify[t].median_s for t in known]
         return [1.0] + [
-            self._verify_seconds(num_requests + d, times, plain_s) / plain_s
+            self._verify_seconds(num_requests + d, known, times, plain_s) / plain_s
             for d in range(1, max_drafts + 1)
         ]
 
     def _plain_seconds(self, num_requests: int) -> float | None:
         """The median plain step of `num_requests` requests, else of the nearest count timed."""
-        known = [b for b, bucket in self.plain.items() if bucket.is_known]
+        known = [b for b, bucket in self.plain.items() if bucket.is_known(self.num_steps)]
         if not known:
             return None
         nearest = min(known, key=lambda b: (abs(b - num_requests), b))
         return self.plain[nearest].median_s
 
-    def _verify_seconds(self, num_tokens: int, times: list[float], plain_s: float) -> float:
-        """A verify step of `num_tokens` tokens, read off the known buckets' `times`."""
-        known = self._known_tokens
+    @staticmethod
+    def _verify_seconds(
+        num_tokens: int, known: list[int], times: list[float], plain_s: float
+    ) -> float:
+        """A verify step of `num_tokens` tokens, read off the `known` buckets' `times`."""
         index = bisect.bisect_left(known, num_tokens)
         if index < len(known) and known[index] == num_tokens:
             return times[index]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from nanoserve.spec_decode.step_costs import (
+    MAX_AGE_STEPS,
     MIN_SAMPLES,
     PRIOR_FIXED,
     PRIOR_PER_DRAFT,
-    REFRESH_STEPS,
     StepCosts,
 )
 
@@ -29,18 +29,30 @@ def test_before_any_verify_step_is_timed_the_prior_is_used():
     )
 
 
-def test_plain_steps_are_timed_first_at_each_batch_size_and_again_now_and_then():
+def test_plain_steps_are_timed_first_at_each_batch_size_and_again_when_stale():
     costs = observed([(1, 0, 1.0)], times=MIN_SAMPLES - 1)
     assert costs.needs_plain_step(1)
     costs.observe(1, 0, 1.0)
     assert not costs.needs_plain_step(1) and costs.needs_plain_step(2)
-    for _ in range(REFRESH_STEPS - 1):
+    for _ in range(MAX_AGE_STEPS):
         costs.observe(1, 3, 2.0)
     assert not costs.needs_plain_step(1)
     costs.observe(1, 3, 2.0)
-    assert costs.needs_plain_step(1)  # REFRESH_STEPS verify steps since the last plain one
+    assert costs.needs_plain_step(1)  # MAX_AGE_STEPS timed steps since the last plain one
+    costs.observe(1, 0, 1.0)
+    assert costs.needs_plain_step(1)  # its old times are gone: MIN_SAMPLES new ones needed
+    costs.observe(1, 0, 1.0)
     costs.observe(1, 0, 1.0)
     assert not costs.needs_plain_step(1)
+
+
+def test_a_verify_step_timed_dear_long_ago_is_guessed_again_so_that_it_is_retried():
+    costs = observed([(1, 0, 1.0), (1, 1, 1.2), (1, 3, 9.0)])  # 3 drafts once timed dear
+    assert costs.relative_costs(1, 3)[3] == pytest.approx(9.0)
+    for _ in range(MAX_AGE_STEPS // 2 + 1):
+        costs.observe(1, 0, 1.0)
+        costs.observe(1, 1, 1.2)
+    assert costs.relative_costs(1, 3)[3] == pytest.approx(1.2 + 2 * PRIOR_PER_DRAFT)
 
 
 def test_verify_costs_are_read_off_the_timed_buckets_in_plain_steps():
