@@ -22,7 +22,7 @@ When to draft (speculation must never make a workload meaningfully slower):
   verify steps: more drafts; dear ones: fewer, or none.
 - The first steps at each batch size are plain, to time them (and again once those times
   are stale).
-- A request given no drafts pauses (16 steps, doubling each time up to 512, back to 16 once
+- A request given no drafts pauses (4 steps, doubling each time up to 512, back to 4 once
   it drafts by the rule above), then tries one draft whatever it costs: its chance starts over
   from `FRESH_CHANCE`, so a hit (~0.7) brings its drafts back and a miss pauses it longer.
 - A request for which the proposer finds nothing (no n-gram match) is asked again at once, but
@@ -55,7 +55,7 @@ logger = logging.getLogger("nanoserve.spec_decode")
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 CHANCE_DECAY = 0.7  # the weight of a request's earlier steps in its acceptance estimate
-FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 16, 512
+FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 4, 512
 MAX_EMPTY_WAIT_STEPS = 15  # the longest wait after the proposer found nothing to draft
 DEAR_LOOKUP = 0.01  # a proposer call costing this share of a plain step is worth sparing
 FRESH_CHANCE = 0.3  # the estimate a request's trial draft starts from after a pause

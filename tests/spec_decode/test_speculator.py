@@ -231,8 +231,10 @@ def test_steps_timed_on_the_clock_decide_the_drafts():
     assert spec.costs.relative_costs(1, 2)[2] == pytest.approx(3.4)
     first_pause = dear.index(0, MIN_SAMPLES)  # once the 3-token step is timed dear: none
     assert dear[first_pause : first_pause + FIRST_PAUSE_STEPS] == [0] * FIRST_PAUSE_STEPS
-    assert dear[first_pause + FIRST_PAUSE_STEPS] == 1  # a trial, then another pause
-    assert dear[first_pause + FIRST_PAUSE_STEPS + 1 :] == [0] * 6
+    trial = first_pause + FIRST_PAUSE_STEPS
+    assert dear[trial] == 1  # a trial, then a pause twice as long, and another trial
+    assert dear[trial + 1 : trial + 1 + 2 * FIRST_PAUSE_STEPS] == [0] * 2 * FIRST_PAUSE_STEPS
+    assert dear[trial + 1 + 2 * FIRST_PAUSE_STEPS] == 1
 
 
 class EmptyProposer(FixedProposer):
