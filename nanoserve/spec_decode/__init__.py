@@ -1,6 +1,7 @@
 """Speculative decoding, a plug-in: drafts proposed cheaply, verified by the target in one pass.
 
 speculator.py         AdaptiveSpeculator: the core's Speculator; when to draft, metrics
+step_costs.py         what a verify step costs here, in plain steps, from timed steps
 rejection_sampler.py  which drafts the target accepts, keeping its distribution
 ngram.py              prompt lookup: what followed the last match of the recent tokens
 suffix.py             suffix decoding: counted continuations in suffix tries

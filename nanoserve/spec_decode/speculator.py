@@ -6,18 +6,28 @@ When to draft (speculation must never make a workload meaningfully slower):
   grammar refuses (the grammar backend then masks each draft row at the state after the drafts
   before it, and rolls the grammar back).
 - Not in a step where `disable_by_batch_size` requests (default 8) or more are decoding: a
-  batch that large already fills the step with tokens, and verifying k + 1 tokens per request
-  costs more than the accepted tokens save.
-- As many drafts as are likely to pay: each request keeps an estimate of the chance that one
-  more of its draft tokens is accepted (accepted drafts over accepted drafts plus rejections,
-  decaying so that recent steps count most). The j-th draft is accepted with about that chance
-  to the power j, and a verified token costs a share of a step (on a 2-core CPU a step of 4
-  tokens of the 0.6B shape takes ~1.7x a one-token step), so a request drafts the tokens whose
-  chance is at least `MIN_DRAFT_CHANCE` (0.3): all k at a chance of 0.9, one at 0.5.
-- None for a request whose single next draft is below that chance: it pauses (16 steps,
-  doubling each time it fails again, up to 512, until its drafts hold at 0.6 or better),
-  then tries one draft again. A proposer that
-  finds nothing to draft (no n-gram match) costs nothing.
+  batch that large already fills the step with tokens.
+- As many drafts as make the step pay most, by what steps cost on this machine. Each request
+  keeps, per draft position, an estimate of the chance that its draft there is accepted if
+  the ones before it are (decaying, so that recent steps count most); their product up to
+  position j is the chance its j-th draft holds, the tokens that draft adds. `StepCosts`
+  (`step_costs.py`) times the engine's own steps and says what a step verifying D drafts
+  costs, in plain steps of the same requests: cost(D). Of all the draft counts, the step
+  takes the one with the most expected tokens per second, (B + the D likeliest drafts'
+  chances) / cost(D) for B decoding requests, and none unless that beats a plain step (B / 1).
+  So the j-th draft of a lone request is made only while its chance exceeds what one more
+  draft costs, cost(j) - cost(j - 1), times the tokens per step already planned; and the
+  first draft also pays for everything a verify step costs beyond a plain one (a draft
+  model's own steps included) since, if rejected, the step still gives one token. Cheap
+  verify steps: more drafts; dear ones: fewer, or none.
+- The first steps at each batch size are plain, to time them (and again once those times
+  are stale).
+- A request given no drafts pauses (4 steps, doubling each time up to 512, back to 4 once
+  it drafts by the rule above), then tries one draft whatever it costs: its chance starts over
+  from `FRESH_CHANCE`, so a hit (~0.7) brings its drafts back and a miss pauses it longer.
+- A request for which the proposer finds nothing (no n-gram match) is asked again at once, but
+  where a proposer call costs `DEAR_LOOKUP` (1%) of a plain step or more (timed, as the steps
+  are), after 1, 3, 7 and then 15 steps while it keeps finding nothing.
 
 Metrics (vLLM's spec_decode counters) and a log line every `LOG_INTERVAL_S` with the
 acceptance rate and the mean acceptance length.
@@ -26,9 +36,9 @@ acceptance rate and the mean acceptance length.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -39,14 +49,16 @@ from nanoserve.core.request import Request
 from nanoserve.core.sampling_batch import SamplingBatch
 from nanoserve.core.speculation import Speculator, Verified
 from nanoserve.spec_decode.rejection_sampler import RejectionSampler
+from nanoserve.spec_decode.step_costs import StepCosts
 
 logger = logging.getLogger("nanoserve.spec_decode")
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-MIN_DRAFT_CHANCE = 0.3  # a draft token is worth verifying when it is this likely accepted
 CHANCE_DECAY = 0.7  # the weight of a request's earlier steps in its acceptance estimate
-FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 16, 512
-TRUSTED_DRAFT_CHANCE = 0.6  # a request whose drafts hold this well starts its pauses over
+FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 4, 512
+MAX_EMPTY_WAIT_STEPS = 15  # the longest wait after the proposer found nothing to draft
+DEAR_LOOKUP = 0.01  # a proposer call costing this share of a plain step is worth sparing
+FRESH_CHANCE = 0.3  # the estimate a request's trial draft starts from after a pause
 LOG_INTERVAL_S = 10.0
 
 
@@ -65,88 +77,220 @@ class Proposer(Protocol):
 
 @dataclass
 class DraftHistory:
-    """One request's record of drafting: how well its drafts fared, and any pause."""
+    """One request's record of drafting: how well its drafts fared by position, and any pause.
 
-    num_accepted: float = 1.0  # decayed counts of its accepted drafts ...
-    num_trials: float = 1.0  # ... and of those plus rejections: one draft chance at 1.0
+    Per draft position j, decayed counts of the steps whose drafts reached it (every draft
+    before it accepted) and of those that accepted it: their ratio (past the first, drawn
+    towards position j - 1's) is the chance that its j-th draft holds if the ones before do.
+    Positions differ: a copied passage's first draft may miss where the rest, once it hits,
+    rarely do.
+    """
+
+    accepted: list[float] = field(default_factory=lambda: [1.0])  # by position: one
+    reached: list[float] = field(default_factory=lambda: [1.0])  # draft chance at 1.0
     num_drafted: int = 0  # drafts given for the step in flight (0: none)
     num_output_before: int = 0  # its output length when they were given
     pause_steps: int = 0  # steps left without drafts
     next_pause: int = FIRST_PAUSE_STEPS
+    is_trial_due: bool = False  # after its pause: one draft, whatever it costs
+    empty_wait_steps: int = 0  # the wait after the proposer next finds nothing to draft
 
     @property
     def draft_chance(self) -> float:
-        """The estimated chance that its next draft token is accepted."""
-        return self.num_accepted / self.num_trials
+        """The estimated chance that its next first draft token is accepted."""
+        return self.acceptance(1)[0]
 
-    def num_worth_drafting(self, k: int) -> int:
-        """The drafts whose chance of acceptance (chance^j for the j-th) is still worth it."""
-        chance = self.draft_chance
-        if chance >= 1.0:
-            return k
-        return min(k, int(math.log(MIN_DRAFT_CHANCE) / math.log(max(chance, 1e-6)) + 1e-9))
+    def acceptance(self, num_drafts: int) -> list[float]:
+        """[num_drafts]: the chance that each of its next drafts is accepted (and all before)."""
+        conditional = self.accepted[0] / self.reached[0]
+        chances, chance = [], 1.0
+        for position in range(num_drafts):
+            if 0 < position < len(self.reached):  # one reached seldom keeps near the last
+                reached = self.reached[position]
+                conditional = (self.accepted[position] + conditional) / (reached + 1.0)
+            chance *= conditional
+            chances.append(chance)
+        return chances
 
     def learn(self, num_accepted: int, num_drafted: int) -> None:
-        """One verify step: `num_accepted` of `num_drafted` drafts held."""
-        rejected = 1 if num_accepted < num_drafted else 0
-        self.num_accepted = CHANCE_DECAY * self.num_accepted + num_accepted
-        self.num_trials = CHANCE_DECAY * self.num_trials + num_accepted + rejected
-        if self.draft_chance >= MIN_DRAFT_CHANCE:
-            if self.draft_chance >= TRUSTED_DRAFT_CHANCE:
-                self.next_pause = FIRST_PAUSE_STEPS
-            return
-        self.pause_steps = self.next_pause
+        """One verify step: the first `num_accepted` of its `num_drafted` drafts held."""
+        num_reached = min(num_accepted + 1, num_drafted)
+        while len(self.reached) < num_reached:
+            self.accepted.append(0.0)
+            self.reached.append(0.0)
+        for position in range(len(self.reached)):
+            self.accepted[position] *= CHANCE_DECAY
+            self.reached[position] *= CHANCE_DECAY
+            if position < num_reached:
+                self.reached[position] += 1.0
+                self.accepted[position] += 1.0 if position < num_accepted else 0.0
+
+    def pause(self) -> None:
+        """No drafts for a while (this step the first), then a trial from a fresh estimate."""
+        self.pause_steps = self.next_pause - 1
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
-        self.num_accepted = self.num_trials = 1.0  # after the pause, a fresh start
-        self.num_accepted = MIN_DRAFT_CHANCE  # ... at one draft
+        self.accepted, self.reached = [FRESH_CHANCE], [1.0]
+        self.is_trial_due = True
+
+    def found(self, num_drafts: int, is_lookup_dear: bool) -> None:
+        """The proposer gave `num_drafts` drafts; none again and again, where asking it costs
+        a share of a step worth sparing: ask less often (0, 1, 3, 7 ... steps later)."""
+        if num_drafts:
+            self.empty_wait_steps, self.is_trial_due = 0, False
+            return
+        if not is_lookup_dear:
+            return
+        self.pause_steps = max(self.pause_steps, self.empty_wait_steps)
+        self.empty_wait_steps = min(2 * self.empty_wait_steps + 1, MAX_EMPTY_WAIT_STEPS)
+
+
+def plan_drafts(acceptance: list[list[float]], costs: list[float], num_requests: int) -> list[int]:
+    """Drafts per request: the counts with the most expected tokens per second in a step of
+    `num_requests` decoding requests. `acceptance[i]`: the chance that each draft request i
+    may have is accepted (non-increasing); `costs[D]`: verifying D drafts in all, in plain
+    steps."""
+    gains = sorted(  # likeliest first; each request's in order (ties: chance 1.0)
+        (
+            (chance, position, index)
+            for index, chances in enumerate(acceptance)
+            for position, chance in enumerate(chances)
+        ),
+        key=lambda gain: (-gain[0], gain[1]),
+    )
+    best_rate, best_num_drafts = float(num_requests), 0  # a plain step: B tokens, cost 1
+    expected = float(num_requests)
+    for num_drafts, (gain, _, _) in enumerate(gains[: len(costs) - 1], start=1):
+        expected += gain
+        if expected / costs[num_drafts] > best_rate:
+            best_rate, best_num_drafts = expected / costs[num_drafts], num_drafts
+    counts = [0] * len(acceptance)
+    for _, _, index in gains[:best_num_drafts]:
+        counts[index] += 1
+    return counts
+
+
+@dataclass
+class StepInFlight:
+    """The step the last `propose` set up, to time it: when, which requests, how many drafts."""
+
+    started_s: float
+    num_output_tokens: dict[str, int]  # per decoding request, its output length then
+    num_drafts: int
+    is_decode_only: bool  # every running request was decoding
 
 
 class AdaptiveSpeculator(Speculator):
     """Implements the core's `Speculator`: drafts where they pay, verifies, counts."""
 
-    def __init__(self, proposer: Proposer, config: SpeculativeConfig) -> None:
+    def __init__(
+        self,
+        proposer: Proposer,
+        config: SpeculativeConfig,
+        costs: StepCosts | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.proposer = proposer
         self.num_speculative_tokens = config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        self.costs = costs or StepCosts()
+        self.clock = clock
         self.rejection_sampler = RejectionSampler()
         self.histories: dict[str, tuple[Request, DraftHistory]] = {}
+        self.in_flight: StepInFlight | None = None
         self.totals = SpecDecodeStats(num_accepted_per_position=[0] * config.num_speculative_tokens)
         self._logged = (time.monotonic(), SpecDecodeStats())
 
     def propose(self, requests: list[Request]) -> None:
+        now_s = self.clock()
         self._learn_from_last_step()
         decoding = [r for r in requests if r.num_tokens - r.num_computed_tokens == 1]
-        if len(decoding) >= self.disable_by_batch_size:
-            return
-        chosen, limits = [], []
-        for request in decoding:
-            limit = self._draft_limit(request)
-            if limit > 0:
+        self._time_last_step(requests, now_s)
+        num_drafts = 0
+        if len(decoding) < self.disable_by_batch_size and not self.costs.needs_plain_step(
+            len(decoding)
+        ):
+            num_drafts = self._draft(decoding)
+        self.in_flight = StepInFlight(
+            now_s,
+            {r.request_id: r.num_output_tokens for r in decoding},
+            num_drafts,
+            len(decoding) == len(requests),
+        )
+
+    def _draft(self, decoding: list[Request]) -> int:
+        """Give the decoding requests the drafts that pay (see above); how many in all."""
+        limits = [self._draft_limit(r) for r in decoding]
+        if not any(limits):
+            return 0
+        histories = [self.histories[r.request_id][1] for r in decoding]
+        is_trial = [h.is_trial_due and n > 0 for h, n in zip(histories, limits, strict=True)]
+        planned = plan_drafts(
+            [
+                h.acceptance(0 if trial else n)
+                for h, trial, n in zip(histories, is_trial, limits, strict=True)
+            ],
+            self.costs.relative_costs(len(decoding), sum(limits)),
+            len(decoding),
+        )
+        chosen, counts = [], []
+        for request, history, limit, trial, count in zip(
+            decoding, histories, limits, is_trial, planned, strict=True
+        ):
+            if trial or count > 0:
                 chosen.append(request)
-                limits.append(limit)
-        if not chosen:
-            return
-        for request, drafts in zip(chosen, self.proposer.propose(chosen, limits), strict=True):
+                counts.append(1 if trial else count)
+                if not trial:
+                    history.next_pause = FIRST_PAUSE_STEPS  # drafting pays for it again
+            elif limit > 0:
+                history.pause()
+        return self._give_drafts(chosen, counts) if chosen else 0
+
+    def _give_drafts(self, requests: list[Request], counts: list[int]) -> int:
+        """Ask the proposer for up to `counts[i]` drafts of `requests[i]`; how many it gave."""
+        started_s = self.clock()
+        proposed = self.proposer.propose(requests, counts)
+        self.costs.observe_lookup(len(requests), self.clock() - started_s)
+        is_lookup_dear = self.costs.lookup_cost(len(requests)) >= DEAR_LOOKUP
+        num_drafts = 0
+        for request, drafts in zip(requests, proposed, strict=True):
             if request.grammar is not None:  # only what the grammar accepts is drafted
                 drafts = drafts[: request.grammar.count_valid(drafts)]
             request.spec_token_ids = drafts
             history = self.histories[request.request_id][1]
             history.num_drafted = len(drafts)
             history.num_output_before = request.num_output_tokens
+            history.found(len(drafts), is_lookup_dear)
+            num_drafts += len(drafts)
+        return num_drafts
 
     def _draft_limit(self, request: Request) -> int:
         """How many tokens `request` may have drafted for its next step (0: none)."""
         params = request.sampling_params
+        _, history = self.histories.setdefault(request.request_id, (request, DraftHistory()))
         if request.grammar_future is not None:
             return 0  # its grammar is still being built
-        _, history = self.histories.setdefault(request.request_id, (request, DraftHistory()))
         if history.pause_steps > 0:
             history.pause_steps -= 1
             return 0
-        limit = history.num_worth_drafting(self.num_speculative_tokens)
         if params.max_tokens is None:
-            return limit
-        return min(limit, params.max_tokens - request.num_output_tokens - 1)
+            return self.num_speculative_tokens
+        num_left = params.max_tokens - request.num_output_tokens - 1  # after the verified token
+        return max(0, min(self.num_speculative_tokens, num_left))
+
+    def _time_last_step(self, requests: list[Request], now_s: float) -> None:
+        """Tell `costs` how long the step just run took, if it ran the decoding requests the
+        last `propose` saw and nothing else (no prompt chunk, none admitted, finished or left
+        behind)."""
+        step = self.in_flight
+        if step is None or not step.is_decode_only or len(requests) != len(step.num_output_tokens):
+            return
+        before = step.num_output_tokens
+        if any(
+            r.request_id not in before or r.num_output_tokens <= before[r.request_id]
+            for r in requests
+        ):
+            return  # a request joined the step, or was left out of it
+        self.costs.observe(len(before), step.num_drafts, now_s - step.started_s)
 
     def _learn_from_last_step(self) -> None:
         """Update each drafting request's acceptance; forget finished requests."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pinned_step_costs import pin_free_verify_steps
 from servers import InProcessServer, read_metrics
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}'
@@ -27,6 +28,8 @@ def speculative(cycle_model: Path, tmp_path_factory) -> Iterator[InProcessServer
     log = tmp_path_factory.mktemp("speculative") / "server.log"
     flags = ("--served-model-name", "m", "--speculative-config", NGRAM)
     with InProcessServer(cycle_model, log, *flags) as server:
+        assert server.client is not None
+        pin_free_verify_steps(server.client.engine)  # every step drafts: verification is tested
         yield server
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from pinned_step_costs import pin_free_verify_steps
 from tiny_checkpoints import ARCHITECTURES, make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
@@ -59,7 +60,9 @@ def make_engine(checkpoint, proposer: str | None, **overrides) -> Engine:
         if proposer == "draft_model":
             spec["model"] = str(checkpoint)
         args["speculative_config"] = SpeculativeConfig.from_dict(spec)
-    return build_engine(EngineConfig(**(args | overrides)))
+    engine = build_engine(EngineConfig(**(args | overrides)))
+    pin_free_verify_steps(engine)  # these tests check verification: every step drafts
+    return engine
 
 
 def run_checked(engine: Engine, prompt_list, params) -> list[list[int]]:

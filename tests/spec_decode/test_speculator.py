@@ -1,14 +1,23 @@
 """When the speculator drafts: decoding requests only, no grammars, within max_tokens, not at
-large batches, and not for a request whose drafts keep failing (until it tries again)."""
+large batches, as many as pay at the measured cost of a verify step, and not for a request
+whose drafts keep failing (until it tries again)."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
+
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.core.request import Request
-from nanoserve.spec_decode.speculator import FIRST_PAUSE_STEPS, AdaptiveSpeculator
+from nanoserve.spec_decode.speculator import (
+    FIRST_PAUSE_STEPS,
+    AdaptiveSpeculator,
+    DraftHistory,
+    plan_drafts,
+)
+from nanoserve.spec_decode.step_costs import MIN_SAMPLES, StepCosts
 
 
 class FixedProposer:
@@ -37,9 +46,28 @@ def decoding(request_id: str, max_tokens: int | None = 50) -> Request:
     return request
 
 
-def speculator(proposer, **config) -> AdaptiveSpeculator:
+def timed_costs(verify_s: dict[int, float], plain_s: float = 1.0) -> StepCosts:
+    """StepCosts that timed plain steps (of 1 to 7 requests) at `plain_s` and single-request
+    verify steps of T tokens at `verify_s[T]`."""
+    costs = StepCosts()
+    for _ in range(MIN_SAMPLES):
+        for num_requests in range(1, 8):
+            costs.observe(num_requests, 0, plain_s)
+        for num_tokens, seconds in verify_s.items():
+            costs.observe(1, num_tokens - 1, seconds)
+    return costs
+
+
+CHEAP = {2: 1.1, 3: 1.2, 4: 1.3}  # a draft costs a tenth of a plain step
+
+
+def speculator(
+    proposer, costs: StepCosts | None = None, clock=None, **config
+) -> AdaptiveSpeculator:
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3} | config)
-    return AdaptiveSpeculator(proposer, spec)
+    if clock is None:
+        return AdaptiveSpeculator(proposer, spec, costs or timed_costs(CHEAP))
+    return AdaptiveSpeculator(proposer, spec, costs, clock)
 
 
 def test_drafts_for_decoding_requests_within_max_tokens():
@@ -88,14 +116,14 @@ def step(request: Request, num_accepted: int) -> None:
 def test_fewer_drafts_as_they_fail_then_a_pause_then_one_draft_again():
     proposer = FixedProposer([7, 8, 9])
     spec, request = speculator(proposer), decoding("a", max_tokens=None)
-    spec.propose([request])
-    assert request.spec_token_ids == [7, 8, 9]  # no history: every draft is worth it
-    step(request, 0)
-    spec.propose([request])  # one rejection at the first draft: the chance is ~0.4
-    assert request.spec_token_ids == [7]
-    step(request, 0)
+    lengths = []
+    for _ in range(4):  # every draft rejected: the chance falls 1.0 -> 0.41 -> 0.22 -> 0.13
+        spec.propose([request])
+        lengths.append(len(request.spec_token_ids))
+        step(request, 0)
+    assert lengths == [3, 2, 1, 1]  # at 0.13 one draft still pays: it costs 0.1 of a step
     num_paused = 0
-    while True:  # the chance fell under 0.3: plain steps for a while
+    while True:  # at 0.08 not even one: plain steps for a while
         spec.propose([request])
         if request.spec_token_ids:
             break
@@ -110,7 +138,8 @@ def test_fewer_drafts_as_they_fail_then_a_pause_then_one_draft_again():
 
 
 def test_a_request_that_accepts_some_drafts_keeps_drafting_fewer():
-    spec, request = speculator(FixedProposer([7, 8, 9])), decoding("a", max_tokens=None)
+    costs = timed_costs({2: 1.2, 3: 1.4, 4: 1.6})  # a draft costs a fifth of a step
+    spec, request = speculator(FixedProposer([7, 8, 9]), costs), decoding("a", max_tokens=None)
     lengths = []
     for _ in range(12):
         spec.propose([request])
@@ -129,3 +158,125 @@ def test_a_request_whose_drafts_hold_keeps_drafting_and_finished_ones_are_forgot
     request.status = request.status.FINISHED
     spec.propose([])
     assert proposer.finished == ["a"] and spec.histories == {}
+
+
+def geometric(chance: float, num_drafts: int) -> list[float]:
+    """Each draft held with `chance` if the one before did: chance^j for the j-th."""
+    return [chance**j for j in range(1, num_drafts + 1)]
+
+
+def test_the_plan_drafts_more_when_verifying_is_cheap_and_none_when_it_is_dear():
+    # One request whose drafts hold half the time; costs[D]: verifying D drafts, in plain steps.
+    half = [geometric(0.5, 3)]
+    assert plan_drafts(half, [1.0, 1.05, 1.1, 1.15], 1) == [3]
+    assert plan_drafts(half, [1.0, 1.2, 1.4, 1.6], 1) == [1]
+    assert plan_drafts(half, [1.0, 1.6, 1.8, 2.0], 1) == [0]
+    assert plan_drafts([geometric(0.95, 3)], [1.0, 1.6, 1.8, 2.0], 1) == [3]  # 3.71 for 2.0
+    # A first draft at 0.6 whose followers, once it holds, hold at 0.95: worth 3 after all.
+    dear = [1.0, 1.6, 2.0, 2.3]
+    assert plan_drafts([geometric(0.6, 3)], dear, 1) == [0]
+    assert plan_drafts([[0.6, 0.57, 0.54]], dear, 1) == [3]
+
+
+@pytest.mark.parametrize("one_draft_cost", [1.1, 1.3, 1.5, 1.8])
+def test_a_lone_draft_is_made_when_its_chance_beats_what_it_adds_to_the_step(one_draft_cost):
+    extra = one_draft_cost - 1.0  # the break-even chance follows the measured cost
+    assert plan_drafts([[extra + 0.01]], [1.0, one_draft_cost], 1) == [1]
+    assert plan_drafts([[extra - 0.01]], [1.0, one_draft_cost], 1) == [0]
+
+
+def test_in_a_batch_the_likeliest_drafts_share_the_verify_step():
+    costs = [1.0, 1.3, 1.35, 1.4, 1.45, 1.5, 1.55]  # a dear first draft, then cheap ones
+    assert plan_drafts([geometric(0.9, 3), geometric(0.1, 3)], costs, 2) == [3, 0]
+    assert plan_drafts([geometric(0.9, 3), geometric(0.9, 3)], costs, 2) == [3, 3]
+    assert plan_drafts([[1.0, 1.0], []], costs, 2) == [2, 0]  # ties: a request's in order
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def run_timed(spec: AdaptiveSpeculator, clock: Clock, request: Request, plain_s: float,
+              per_draft_s: float, num_steps: int, num_accepted: int = 0) -> list[int]:  # fmt: skip
+    """`num_steps` engine steps whose time the clock shows; the drafts given for each."""
+    lengths = []
+    for _ in range(num_steps):
+        spec.propose([request])
+        drafts = len(request.spec_token_ids)
+        lengths.append(drafts)
+        clock.now_s += plain_s + (per_draft_s * (1 + drafts) if drafts else 0.0)
+        step(request, min(num_accepted, drafts))
+    return lengths
+
+
+def test_steps_timed_on_the_clock_decide_the_drafts():
+    """First plain steps to time them; then drafts while the verify steps stay cheap, and
+    none once they are timed dear, but for a trial draft after each pause. Each request's
+    first draft always holds, its second never."""
+    proposer = FixedProposer([7, 8, 9])
+    clock = Clock()
+    spec = speculator(proposer, StepCosts(), clock=clock)
+    cheap = run_timed(spec, clock, decoding("a", max_tokens=None), 1.0, 0.05, 30, 1)
+    assert cheap[:MIN_SAMPLES] == [0] * MIN_SAMPLES and cheap[MIN_SAMPLES] == 3  # the prior's
+    assert cheap[MIN_SAMPLES + 1 :] == [2] * (30 - MIN_SAMPLES - 1)  # 2.2 tokens for 1.15
+    assert spec.costs.relative_costs(1, 2)[2] == pytest.approx(1.15)  # 3 tokens: 1 + 3 x 0.05
+    spec = speculator(proposer, StepCosts(), clock=clock)
+    dear = run_timed(spec, clock, decoding("b", max_tokens=None), 1.0, 0.8, 30, 1)
+    assert spec.costs.relative_costs(1, 2)[2] == pytest.approx(3.4)
+    first_pause = dear.index(0, MIN_SAMPLES)  # once the 3-token step is timed dear: none
+    assert dear[first_pause : first_pause + FIRST_PAUSE_STEPS] == [0] * FIRST_PAUSE_STEPS
+    trial = first_pause + FIRST_PAUSE_STEPS
+    assert dear[trial] == 1  # a trial, then a pause twice as long, and another trial
+    assert dear[trial + 1 : trial + 1 + 2 * FIRST_PAUSE_STEPS] == [0] * 2 * FIRST_PAUSE_STEPS
+    assert dear[trial + 1 + 2 * FIRST_PAUSE_STEPS] == 1
+
+
+class EmptyProposer(FixedProposer):
+    """Finds nothing to draft, and takes `lookup_s` on the clock to say so."""
+
+    def __init__(self, clock: Clock, lookup_s: float) -> None:
+        super().__init__([])
+        self.clock, self.lookup_s = clock, lookup_s
+
+    def propose(self, requests, num_tokens):
+        self.clock.now_s += self.lookup_s
+        return super().propose(requests, num_tokens)
+
+
+@pytest.mark.parametrize("lookup_s", [0.0001, 0.05])
+def test_a_proposer_that_finds_nothing_is_asked_less_often_where_asking_costs(lookup_s):
+    clock = Clock()
+    proposer = EmptyProposer(clock, lookup_s)
+    spec = speculator(proposer, timed_costs(CHEAP), clock=clock)
+    request = decoding("a", max_tokens=None)
+    asked_at = []
+    for index in range(40):
+        spec.propose([request])
+        if proposer.asked and len(proposer.asked) > len(asked_at):
+            asked_at.append(index)
+        clock.now_s += 1.0
+        step(request, 0)
+    if lookup_s < 0.01:  # a hundredth of a step or less: asked every step
+        assert asked_at == list(range(40))
+    else:  # after the first 3 timed asks: waits of 0, 1, 3, 7, 15 steps, then 15 again
+        assert asked_at == [0, 1, 2, 3, 5, 9, 17, 33]
+
+
+def test_drafts_that_hold_together_are_estimated_by_position():
+    """Half the steps miss at the first draft, the rest keep all three: past the first, the
+    drafts hold almost surely, not with the first's chance again."""
+    history = DraftHistory()
+    for _ in range(10):
+        history.learn(0, 3)
+        history.learn(3, 3)
+    first, second, third = history.acceptance(3)
+    assert 0.5 < first < 0.65  # decayed: the last step (all held) counts most
+    assert second / first > 0.8 and third / second > 0.8  # where one chance would say 0.59
+    chances = history.acceptance(5)  # positions never reached keep the last one's chance
+    assert chances[3] / chances[2] == pytest.approx(third / second)
