@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="nanoserve | hf | vllm (builds a ~3.4 GB vLLM environment on first use; "
-        "--enforce-eager) | vllm-compiled (vLLM's default mode, torch.compile) | llamacpp "
+        "--enforce-eager) | vllm-compiled (vLLM as it starts without flags: torch.compile) | "
+        "llamacpp "
         "(builds llama.cpp's llama-server on first use; the model converted to a bf16 GGUF) | "
         "url=NAME=http://host:port (a server already running) | cmd=NAME='cmd {port} {model}' "
         "(repeat; default: nanoserve and hf)",
