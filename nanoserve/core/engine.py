@@ -85,7 +85,15 @@ class Engine:
         limits = self.config.scheduler_config(self.max_model_len)
         backend = fast_paths.attention_backend(model)
         layers = model.attention_layers()
-        kv_cache = KVCache(layers, backend, cache_config.block_size, self.dtype, self.device, tp)
+        kv_cache = KVCache(
+            layers,
+            backend,
+            cache_config.block_size,
+            self.dtype,
+            self.device,
+            tp,
+            fast_paths.kv_cache_zeros,
+        )
         budget = None
         if fast_paths.kv_cache_budget is not None:
             budget = fast_paths.kv_cache_budget(model, kv_cache, cache_config, limits)

@@ -10,6 +10,7 @@ every fast path is tested against (`--enforce-eager` keeps as much of it as the 
     weight_reader      how checkpoint tensors are read (`loader.py`): FP8 checkpoints dequantize
     attention_backend  how attention writes and reads the paged cache (`attention/layer.py`)
     kv_cache_budget    how many bytes the KV pool may take (`kv_cache.py`)
+    kv_cache_zeros     how the KV pool's zeros are allocated (`kv_cache.py`)
     step_runners       how a step's forward pass is launched (`model_runner.py`): CUDA graphs,
                        compiled decode, tensor-parallel broadcast, then the eager runner
     grammar_backend    structured output (`grammar.py`)
@@ -29,7 +30,7 @@ from nanoserve.common.config import CacheConfig, ModelConfig, SchedulerConfig
 from nanoserve.core.attention.layer import AttentionBackend
 from nanoserve.core.attention.reference import ReferenceAttention
 from nanoserve.core.grammar import GrammarBackend, NoGrammarBackend
-from nanoserve.core.kv_cache import KVCache
+from nanoserve.core.kv_cache import KVCache, Zeros, portable_zeros
 from nanoserve.core.loader import WeightReader
 from nanoserve.core.model_runner import StepRunner
 from nanoserve.core.models.base import CausalLM
@@ -46,6 +47,7 @@ class FastPaths:
     # Bytes for the KV pool, measured with the loaded model and the unallocated cache; None:
     # `kv_cache_memory`, else up to 2 GiB (`kv_cache.py`).
     kv_cache_budget: Callable[[CausalLM, KVCache, CacheConfig, SchedulerConfig], int] | None = None
+    kv_cache_zeros: Zeros = portable_zeros  # the pool's memory, zeroed
     # The runners a step may take, in order of preference, given the eager one (last resort).
     step_runners: Callable[[CausalLM, StepRunner, SchedulerConfig], list[StepRunner]] = (
         lambda model, eager, limits: [eager]

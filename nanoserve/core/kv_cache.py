@@ -4,15 +4,14 @@ The pool is, per layer, a K and a V tensor [num_blocks, block_size, Hkv, D]; the
 bookkeeping (who owns which block, prefix hashes) is `kv_cache_manager.py`'s. The budget is
 `kv_cache_memory` bytes (default: up to 2 GiB, never more than every sequence at full length),
 unless a platform measures its own (`FastPaths.kv_cache_budget`: on CUDA, a share of the GPU's
-memory minus the weights and a profiling forward pass). On CPU the zeros come from the OS
-(`zeros`): writing gigabytes of them took seconds of every start.
+memory minus the weights and a profiling forward pass), and how its zeros are allocated
+(`FastPaths.kv_cache_zeros`: on CPU the OS zeroes pages as they are first written).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -25,15 +24,14 @@ logger = logging.getLogger("nanoserve.kv_cache")
 DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros; on CPU an anonymous mapping, whose pages the OS zeroes as they are first touched
-    (huge pages where it can), instead of `torch.zeros` writing every byte now."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, max(math.prod(shape) * dtype.itemsize, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        pages.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(pages, dtype=dtype)[: math.prod(shape)].view(shape)  # keeps `pages`
+# Allocates zeros of (shape, dtype, device): the pool's memory.
+Zeros = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def portable_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class KVCache:
@@ -47,8 +45,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallel | None = None,
+        zeros: Zeros = portable_zeros,
     ) -> None:
         self.layers = layers  # every layer's attention, in order
+        self.zeros = zeros
         self.tp = tp or TensorParallel()
         self.backend = backend
         self.block_size = block_size
@@ -92,8 +92,8 @@ class KVCache:
         torch.compile updates a cache in place only when it aliases no other input; zeros, since
         unwritten slots are masked but 0 * NaN would still poison the attention output."""
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        k_cache = zeros(shape, self.dtype, self.device)
-        v_cache = zeros(shape, self.dtype, self.device)
+        k_cache = self.zeros(shape, self.dtype, self.device)
+        v_cache = self.zeros(shape, self.dtype, self.device)
         layer.bind(k_cache, v_cache, self.backend.for_layer(index))
         return k_cache, v_cache
 

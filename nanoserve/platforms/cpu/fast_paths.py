@@ -3,6 +3,7 @@
     linear methods   bf16 weights packed once for oneDNN, decode steps by our GEMV (`linear.py`)
     layer ops        fused RMSNorm, RoPE and SwiGLU kernels (`fused_ops.py`)
     attention        the reference backend with our paged-decode kernel (`attention.py`)
+    KV pool memory   zeros the OS hands out as pages are first written (`memory.py`)
     step runners     with `--compile`, decode steps under torch.compile (`compiled.py`); every
                      step at the thread count its timing picks (`threads.py`)
 
@@ -32,6 +33,7 @@ from nanoserve.platforms.cpu.compiled import CompiledCpuAttention, CompiledDecod
 from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import install_cpu_linears
+from nanoserve.platforms.cpu.memory import os_zeroed
 from nanoserve.platforms.cpu.threads import GovernedRunner, ThreadGovernor
 
 
@@ -76,5 +78,6 @@ def cpu_fast_paths(config: EngineConfig) -> FastPaths:
     return FastPaths(
         prepare_model=paths.prepare_model,
         attention_backend=paths.attention_backend,
+        kv_cache_zeros=os_zeroed,
         step_runners=paths.step_runners,
     )
