@@ -335,18 +335,32 @@ def run_serve(args: argparse.Namespace) -> int:
             "(--generation-config vllm turns this off)",
             dict(server_config.default_sampling),
         )
-    try:
-        from nanoserve.common.checkpoint import resolve_tokenizer
-        from nanoserve.text.tokenizer import load_tokenizer
+    from nanoserve.client.data_parallel import make_engine_client
 
-        if args.tokenizer:
-            model_dir = resolve_tokenizer(args.tokenizer, args.download_dir)
-        tokenizer = load_tokenizer(model_dir, chat_template=args.chat_template)
-    except ValueError as e:
+    client = make_engine_client(
+        engine_config, args.log_level, args.worker_timeout, args.data_parallel_routing
+    )
+    client.launch()  # the worker loads the model while this process loads the tokenizer
+    try:
+        try:
+            tokenizer = _load_front_tokenizer(args, model_dir)
+        except ValueError as e:
+            print(f"nanoserve serve: {with_flag_names(str(e))}", file=sys.stderr)
+            return 2
+        return _run_server(args, client, server_config, tokenizer, sock)
+    finally:
+        client.kill_now()  # after a forced exit the lifespan shutdown may not have run
         sock.close()
-        print(f"nanoserve serve: {with_flag_names(str(e))}", file=sys.stderr)
-        return 2
-    return _run_server(args, engine_config, server_config, tokenizer, sock)
+
+
+def _load_front_tokenizer(args: argparse.Namespace, model_dir: Path):
+    """The tokenizer and chat template the front serves with (--tokenizer, or the model's)."""
+    from nanoserve.common.checkpoint import resolve_tokenizer
+    from nanoserve.text.tokenizer import load_tokenizer
+
+    if args.tokenizer:
+        model_dir = resolve_tokenizer(args.tokenizer, args.download_dir)
+    return load_tokenizer(model_dir, chat_template=args.chat_template)
 
 
 # EngineConfig fields whose flag is not the field's name with dashes.
@@ -365,20 +379,14 @@ def with_flag_names(message: str) -> str:
     return re.sub(r"(?<![\w-])(device|dtype) '([^']*)'", r"--\1 \2", message)
 
 
-def _run_server(
-    args: argparse.Namespace, engine_config: EngineConfig, server_config, tokenizer, sock
-) -> int:
+def _run_server(args: argparse.Namespace, client, server_config, tokenizer, sock) -> int:
     """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 2 (bad settings) or 1 if the first
     worker failed to start, 1 if the server never started."""
     import uvicorn
 
-    from nanoserve.client.data_parallel import make_engine_client
     from nanoserve.server.app import create_app
     from nanoserve.server.http_server import SHUTDOWN_FLUSH_S, GracefulServer, timed_h11_protocol
 
-    client = make_engine_client(
-        engine_config, args.log_level, args.worker_timeout, args.data_parallel_routing
-    )
     grace_s = args.shutdown_timeout
     app = create_app(server_config, client, tokenizer, shutdown_timeout_s=grace_s)
     protocol = timed_h11_protocol(server_config.header_timeout_s, server_config.send_timeout_s)
@@ -398,11 +406,7 @@ def _run_server(
         signal.signal(signum, lambda *_: None)
     client.on_start_failed = lambda error: setattr(server, "should_exit", True)
     logger.info("listening on http://%s:%d (Ctrl-C stops the server)", args.host, args.port)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        client.kill_now()  # after a forced exit the lifespan shutdown may not have run
-        sock.close()
+    server.run(sockets=[sock])
     if client.start_error is not None:
         print(f"nanoserve serve: {with_flag_names(str(client.start_error))}", file=sys.stderr)
         return 2 if client.start_error.is_config_error else 1

@@ -75,6 +75,10 @@ class DataParallelClient(EngineClient):
     def num_in_flight(self) -> int:
         return sum(e.num_in_flight for e in self.engines)
 
+    def launch(self) -> None:
+        for engine in self.engines:
+            engine.launch()
+
     async def start(self) -> None:
         """Start every engine in the background (each loads its own copy of the model)."""
         for engine in self.engines:

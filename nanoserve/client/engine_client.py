@@ -98,6 +98,10 @@ class EngineClient:
         """Engine requests added and not yet finished or aborted (the router's load)."""
         return len(self._streams)
 
+    def launch(self) -> None:
+        """Start the engine's processes early, before the event loop runs, where there are
+        any (a worker's imports then overlap the front's); `start` still must be awaited."""
+
     async def start(self) -> None:
         """Start the engine in the background and return; `is_ready` says when it serves."""
         raise NotImplementedError

@@ -81,6 +81,7 @@ class ZmqEngineClient(EngineClient):
         self._generation = 0
         self._sockets: FrontSockets | None = None
         self._worker: WorkerGroup | None = None
+        self._launched_at = 0.0  # perf_counter() when the current worker was started
         self._supervisor: asyncio.Task | None = None
         self._is_closing = False
 
@@ -106,14 +107,26 @@ class ZmqEngineClient(EngineClient):
             return
         await self._supervise()
 
-    async def _start_worker(self) -> None:
+    def launch(self) -> None:
+        """Start the first worker now, before the event loop runs, so that its imports and
+        model load overlap the rest of the front's start-up (the tokenizer, the app); `start`
+        then waits for this worker instead of starting one."""
+        if self._worker is None:
+            self._launch_worker()
+
+    def _launch_worker(self) -> None:
         self._generation += 1
         addresses = self._ipc.addresses(self._generation)
         self._sockets = FrontSockets(addresses)
-        start = time.perf_counter()
+        self._launched_at = time.perf_counter()
         self._worker = start_worker_group(
             self.config, addresses, self.log_level, self.heartbeat_interval_s
         )
+
+    async def _start_worker(self) -> None:
+        if self._worker is None:  # not launched early, or a restart
+            self._launch_worker()
+        assert self._sockets is not None and self._worker is not None
         while True:
             message = await self._sockets.recv(POLL_S)
             if message is None:
@@ -138,7 +151,7 @@ class ZmqEngineClient(EngineClient):
         self.log.info(
             "worker %d ready in %s; KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
             message.pid,
-            startup_breakdown(message, time.perf_counter() - start),
+            startup_breakdown(message, time.perf_counter() - self._launched_at),
             message.num_kv_blocks,
             message.block_size,
             message.num_kv_blocks * message.block_size,

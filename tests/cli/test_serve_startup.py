@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import ServerProcess, child_pids
+from servers import ServerProcess, child_pids, free_port
 
 from nanoserve.client.zmq_engine_client import startup_breakdown
 from nanoserve.common.protocol import Ready
@@ -124,3 +124,29 @@ def test_ctrl_c_before_the_server_serves_is_one_line(
     monkeypatch.setattr(cli, "run_serve", interrupted)
     assert cli.main(["serve"]) == 130
     assert capsys.readouterr().err == "nanoserve serve: interrupted\n"
+
+
+@pytest.mark.parametrize("failure", [ValueError("no tokenizer here"), KeyboardInterrupt()])
+def test_the_worker_starts_before_the_tokenizer_loads_and_dies_with_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], failure: BaseException
+) -> None:
+    """The front launches the worker first, so that its imports and model load overlap the
+    front's tokenizer; a tokenizer that fails (or Ctrl-C then) leaves no worker behind."""
+    import nanoserve.cli.main as cli
+
+    workers_while_loading: list[int] = []
+
+    def failing_tokenizer(args: object, model_dir: Path) -> None:
+        for pid in child_pids(os.getpid()):
+            with contextlib.suppress(OSError):
+                if b"nanoserve.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    workers_while_loading.append(pid)
+        raise failure
+
+    monkeypatch.setattr(cli, "_load_front_tokenizer", failing_tokenizer)
+    code = cli.main(["serve", "--host", "127.0.0.1", "--port", str(free_port())])
+    assert code == (2 if isinstance(failure, ValueError) else 130)
+    if isinstance(failure, ValueError):
+        assert capsys.readouterr().err == "nanoserve serve: no tokenizer here\n"
+    assert len(workers_while_loading) == 1
+    assert not Path(f"/proc/{workers_while_loading[0]}").exists()  # killed and reaped
