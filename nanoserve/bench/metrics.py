@@ -23,6 +23,9 @@ def distribution_ms(values_s: list[float]) -> dict[str, float | None]:
 def summarize(results: list[RequestResult], duration_s: float) -> dict:
     """Everything the tables show for one phase, from its requests and its wall time."""
     ok = [r for r in results if r.is_ok]
+    # Every request that got a first token, dropped after it or not: autocomplete drops most
+    # requests before their last token, and the time to the first is what the editor shows.
+    answered = [r.ttft_s for r in results if r.error is None and r.ttft_s is not None]
     output_tokens = sum(r.output_tokens or 0 for r in ok)
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
     # What each user sees: their tokens over their request's whole time; and the decode speed
@@ -34,6 +37,7 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         "num_completed": len(ok),
         "num_errors": sum(r.error is not None for r in results),
         "num_dropped": sum(r.dropped for r in results),
+        "num_answered": len(answered),
         "errors": sorted({r.error for r in results if r.error})[:10],
         "duration_s": duration_s,
         "prompt_tokens": prompt_tokens,
@@ -46,6 +50,7 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         "per_stream_tok_s_mean": float(np.mean(stream_tok_s)) if stream_tok_s else None,
         "decode_tok_s_mean": float(np.mean(decode_tok_s)) if decode_tok_s else None,
         "ttft_ms": distribution_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttft_answered_ms": distribution_ms(answered),
         "itl_ms": distribution_ms([gap for r in ok for gap in r.itl_s]),
         "tpot_ms": distribution_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
         "e2e_ms": distribution_ms([r.e2e_s for r in ok if r.e2e_s is not None]),

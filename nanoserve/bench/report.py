@@ -52,8 +52,10 @@ COLUMNS: dict[str, list[Column]] = {
         Column("num_requests", "sent", digits=0),
         Column("num_finished", "finished", digits=0),
         Column("num_dropped", "dropped", digits=0),
+        Column("num_answered", "first token", digits=0),
+        Column("ttft_answered_p50_ms", "TTFT p50 ms (first token)", ratio=True),
+        Column("ttft_answered_p99_ms", "TTFT p99 ms (first token)", ratio=True),
         Column("ttft_p50_ms", "TTFT p50 ms (finished)", ratio=True),
-        Column("ttft_p99_ms", "TTFT p99 ms (finished)", ratio=True),
         Column("e2e_p50_ms", "e2e p50 ms (finished)"),
         Column("num_errors", "errors", digits=0),
         Column("greedy_match", "greedy outputs"),
@@ -185,6 +187,9 @@ def _autocomplete_row(arm: str, summaries: dict[str, dict]) -> dict:
         "num_requests": s["num_requests"],
         "num_finished": s["num_completed"],
         "num_dropped": s["num_dropped"],
+        "num_answered": s["num_answered"],
+        "ttft_answered_p50_ms": s["ttft_answered_ms"]["p50"],
+        "ttft_answered_p99_ms": s["ttft_answered_ms"]["p99"],
     }
 
 

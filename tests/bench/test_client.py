@@ -80,3 +80,18 @@ def test_client_counts_broken_streams_as_errors(body, status, error_start):
     assert result.error is not None and result.error.startswith(error_start), result.error
     assert not result.is_ok
     assert summarize([result], duration_s=1.0)["num_errors"] == 1
+
+
+def test_a_dropped_request_counts_its_first_token_but_not_as_finished():
+    """Autocomplete drops most requests after their first token: the time to it is counted
+    among the answered, not the finished; one dropped before a token, and errors, are not."""
+    finished = RequestResult(index=0, ttft_s=0.1, e2e_s=0.5, output_tokens=3)
+    dropped_after_token = RequestResult(index=1, ttft_s=0.3, dropped=True)
+    dropped_before_token = RequestResult(index=2, dropped=True)
+    failed = RequestResult(index=3, ttft_s=0.9, error="HTTP 500")
+    results = [finished, dropped_after_token, dropped_before_token, failed]
+    summary = summarize(results, duration_s=1.0)
+    assert summary["num_completed"] == 1 and summary["num_dropped"] == 2
+    assert summary["num_answered"] == 2
+    assert summary["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert summary["ttft_answered_ms"]["p50"] == pytest.approx(200.0)  # 100 and 300 ms
