@@ -38,15 +38,24 @@ inline __m512 load16(const at::Float8_e5m2* p) {
 #endif
 
 #ifdef __AVX512BF16__
+// v rounded to bf16 in the low half of each 32-bit lane, as bf16_lanes (below) does 8: PyTorch's
+// rounding. Not AVX512-BF16's conversion instruction, which flushes denormals to zero.
+inline __m512i bf16_lanes16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lowest_kept, _mm512_set1_epi32(0x7fff));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(is_nan, rounded, _mm512_set1_epi32(0x7fc0));
+}
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_lanes16(v)));
 }
 // v rounded to T's precision, as a float32 again.
 inline __m512 round_to(float*, __m512 v) { return v; }
 inline __m512 round_to(at::BFloat16*, __m512 v) {
-  const __m256i halves = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_lanes16(v), 16));
 }
 #endif
 
