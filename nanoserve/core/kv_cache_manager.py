@@ -8,11 +8,14 @@ Invariants (checked by `BlockPool.check_invariants`, which the randomized tests 
 - every block is either in use (`ref_count > 0`) or in the free queue, never both;
 - a block in the hash table holds exactly the tokens of its hash's prefix, and the table maps
   that hash to it and to no other block;
-- a request's block table holds `ceil(num_computed_tokens / block_size)` blocks or more.
+- a request's block table holds `ceil(num_computed_tokens / block_size)` blocks or more;
+- a kept tail is a free block, kept under the hash of the full block before it.
 
 Prefix caching: a full block is named by a chained hash, `sha256(parent_hash + its tokens)`, so
 equal hashes mean equal whole prefixes. Free blocks keep their contents and hash; they are
-evicted least-recently-freed first, and only when a new block is needed.
+evicted least-recently-freed first, and only when a new block is needed. A finished request's
+partly filled last block is kept too, as a *tail*: a request that extends the same prefix (an
+editor's next keystroke) takes it over and computes only what comes after the tokens it shares.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
+    # A free, partly filled block kept as a tail: (hash of the full block before it, the tokens
+    # whose keys and values it holds).
+    tail: tuple[BlockHash | None, tuple[int, ...]] | None = None
 
 
 class BlockPool:
@@ -43,6 +49,7 @@ class BlockPool:
         # Free blocks in eviction order: the first is the least recently freed.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}  # block hash -> block id
+        self.tails: dict[BlockHash | None, int] = {}  # hash of the full block before -> block id
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,6 +70,7 @@ class BlockPool:
             if block.block_hash is not None:  # evict: its prefix is no longer findable
                 del self.cached[block.block_hash]
                 block.block_hash = None
+            self._drop_tail(block)
             block.ref_count = 1
             block_ids.append(block_id)
         return block_ids
@@ -73,6 +81,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_queue[block_id]
+                self._drop_tail(block)  # its new owner writes after the tokens it shares
             block.ref_count += 1
 
     def free(self, block_ids: list[int]) -> None:
@@ -99,6 +108,19 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block_id
 
+    def keep_tail(self, block_id: int, parent: BlockHash | None, tokens: list[int]) -> None:
+        """Keep a free, partly filled block findable by the prefix before it (the newest wins)."""
+        replaced = self.tails.get(parent)
+        if replaced is not None:
+            self.blocks[replaced].tail = None
+        self.blocks[block_id].tail = (parent, tuple(tokens))
+        self.tails[parent] = block_id
+
+    def _drop_tail(self, block: KVBlock) -> None:
+        if block.tail is not None:
+            del self.tails[block.tail[0]]
+            block.tail = None
+
     def check_invariants(self) -> None:
         """Assert the pool's bookkeeping is consistent (used by tests)."""
         for block in self.blocks:
@@ -107,8 +129,13 @@ class BlockPool:
             assert is_free == (block.ref_count == 0), block
             if block.block_hash is not None:
                 assert self.cached[block.block_hash] == block.block_id
+            if block.tail is not None:
+                assert self.tails[block.tail[0]] == block.block_id
         for block_hash, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == block_hash
+        for parent, block_id in self.tails.items():
+            tail = self.blocks[block_id].tail
+            assert tail is not None and tail[0] == parent and block_id in self.free_queue
 
 
 class KVCacheManager:
@@ -134,7 +161,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
-        """The longest run of cached full blocks at the start of the request's tokens.
+        """The longest run of cached full blocks at the start of the request's tokens, then the
+        kept tail after them that shares the most tokens with the request.
 
         Returns (block ids, number of tokens they hold), at most `request.max_cached_prefix_tokens`
         tokens: the last token must run through the model to produce logits, and so must prompt
@@ -150,7 +178,19 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        return block_ids, len(block_ids) * self.block_size
+        num_tokens = len(block_ids) * self.block_size
+        parent = hashes[len(block_ids) - 1] if block_ids else None
+        tail_id = self.pool.tails.get(parent)
+        if tail_id is None:
+            return block_ids, num_tokens
+        kept = self.pool.blocks[tail_id].tail[1]  # type: ignore[index]  # a kept tail has one
+        wanted = request.all_token_ids[num_tokens : request.max_cached_prefix_tokens]
+        num_shared = 0
+        while num_shared < min(len(kept), len(wanted)) and kept[num_shared] == wanted[num_shared]:
+            num_shared += 1
+        if num_shared == 0:
+            return block_ids, num_tokens
+        return [*block_ids, tail_id], num_tokens + num_shared
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup for the prefix-cache metrics."""
@@ -158,26 +198,40 @@ class KVCacheManager:
             self.num_prefix_queries += num_tokens
             self.num_prefix_hits += num_hit_tokens
 
-    def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int]) -> bool:
-        num_needed = self._num_new_blocks(request, num_new_tokens, cached_blocks)
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int], num_cached: int = 0
+    ) -> bool:
+        num_needed = self._num_new_blocks(request, num_new_tokens, cached_blocks, num_cached)
         # Cached blocks that are free now leave the free queue when shared, so count them too.
         num_revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
         return num_needed + num_revived <= self.pool.num_free_blocks
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int]) -> None:
-        """Give the request slots for `num_new_tokens` more tokens (after its cached prefix)."""
-        assert self.can_allocate(request, num_new_tokens, cached_blocks)
-        num_needed = self._num_new_blocks(request, num_new_tokens, cached_blocks)
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int], num_cached: int = 0
+    ) -> None:
+        """Give the request slots for `num_new_tokens` more tokens after the `num_cached` that
+        `cached_blocks` (from `find_cached_prefix`) hold."""
+        assert self.can_allocate(request, num_new_tokens, cached_blocks, num_cached)
+        num_needed = self._num_new_blocks(request, num_new_tokens, cached_blocks, num_cached)
         self.pool.share(cached_blocks)
         request.block_ids.extend(cached_blocks)
         request.block_ids.extend(self.pool.allocate(num_needed))
         if self.enable_prefix_caching:
-            num_known = len(cached_blocks) * self.block_size + request.num_computed_tokens
+            num_known = num_cached + request.num_computed_tokens
             self._cache_full_blocks(request, num_known + num_new_tokens)
 
     def free(self, request: Request) -> None:
-        """Return all of the request's blocks (in reverse, see `BlockPool.free`)."""
+        """Return all of the request's blocks (in reverse, see `BlockPool.free`); a partly
+        filled last block, once free, is kept as a tail."""
         self.pool.free(list(reversed(request.block_ids)))
+        num_full, num_in_tail = divmod(request.num_computed_tokens, self.block_size)
+        if self.enable_prefix_caching and num_in_tail and len(request.block_ids) > num_full:
+            tail_id = request.block_ids[num_full]
+            if self.pool.blocks[tail_id].ref_count == 0:  # nobody else writes after its tokens
+                parent = self._hashes_for(request)[num_full - 1] if num_full else None
+                start = num_full * self.block_size
+                tokens = request.all_token_ids[start : start + num_in_tail]
+                self.pool.keep_tail(tail_id, parent, tokens)
         request.block_ids = []
         self._num_named_blocks.pop(request.request_id, None)
 
@@ -185,8 +239,10 @@ class KVCacheManager:
         """Drop the request's hash memo once it is finished."""
         self._block_hashes.pop(request.request_id, None)
 
-    def _num_new_blocks(self, request: Request, num_new_tokens: int, cached: list[int]) -> int:
-        num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+    def _num_new_blocks(
+        self, request: Request, num_new_tokens: int, cached: list[int], num_cached: int
+    ) -> int:
+        num_tokens = request.num_computed_tokens + num_cached + num_new_tokens
         return max(0, self.num_blocks_needed(num_tokens) - len(request.block_ids) - len(cached))
 
     def _hashes_for(self, request: Request) -> list[BlockHash]:

@@ -137,10 +137,11 @@ class Scheduler:
                 continue
             cached_blocks, num_cached = self.kv.find_cached_prefix(request)
             num_new = self._num_tokens_to_run(request, budget, num_cached)
-            if num_new == 0 or not self.kv.can_allocate(request, num_new, cached_blocks):
+            fits = self.kv.can_allocate(request, num_new, cached_blocks, num_cached)
+            if num_new == 0 or not fits:
                 break
             self.waiting.popleft()
-            self.kv.allocate(request, num_new, cached_blocks)
+            self.kv.allocate(request, num_new, cached_blocks, num_cached)
             request.num_computed_tokens = num_cached
             self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             if request.num_preemptions == 0:

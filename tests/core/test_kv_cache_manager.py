@@ -43,7 +43,7 @@ def test_prefix_hit_shares_blocks_and_keeps_last_token_uncached():
     second = make_request("b", list(range(8)) + [99, 98])
     cached, num_cached = kv.find_cached_prefix(second)
     assert (cached, num_cached) == ([0, 1], 8)
-    kv.allocate(second, 2, cached)
+    kv.allocate(second, 2, cached, num_cached)
     assert second.block_ids == [0, 1, 3]
     assert [kv.pool.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
 
@@ -79,8 +79,8 @@ def test_can_allocate_counts_reviving_free_cached_blocks():
     cached, num_cached = kv.find_cached_prefix(new)
     assert num_cached == 4
     # 2 cached blocks leave the free queue and 1 new block is needed: 3 of 3.
-    assert kv.can_allocate(new, 2, cached)
-    kv.allocate(new, 2, cached)
+    assert kv.can_allocate(new, 2, cached, num_cached)
+    kv.allocate(new, 2, cached, num_cached)
     assert new.block_ids == [0, 1, 2]
     assert kv.num_free_blocks == 0
 
@@ -91,3 +91,34 @@ def test_prefix_caching_off_finds_nothing():
     kv.allocate(first, 3, [])
     assert kv.find_cached_prefix(make_request("b", [1, 2, 3])) == ([], 0)
     assert kv.pool.cached == {}
+
+
+def test_a_kept_tail_shares_the_tokens_both_have_and_never_the_last_one():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    old = make_request("old", [1, 2, 3, 4, 5, 6, 7])
+    kv.allocate(old, 7, [])
+    old.num_computed_tokens = 7  # block 0 full and cached; block 1 holds 5, 6, 7
+    kv.free(old)
+    assert kv.pool.tails == {hash_block_tokens(None, [1, 2, 3, 4]): 1}
+    assert kv.find_cached_prefix(make_request("a", [1, 2, 3, 4, 5, 6, 9, 9])) == ([0, 1], 6)
+    assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5, 6, 7])) == ([0, 1], 6)
+    assert kv.find_cached_prefix(make_request("c", [1, 2, 3, 4, 8, 8])) == ([0], 4)
+    assert kv.find_cached_prefix(make_request("d", [9, 2, 3, 4, 5, 6])) == ([], 0)
+    kv.pool.check_invariants()
+
+
+def test_a_tail_without_full_blocks_before_it_and_one_kept_per_prefix():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    for request_id, tokens in (("old", [1, 2]), ("newer", [1, 3, 3])):
+        request = make_request(request_id, tokens)
+        kv.allocate(request, len(tokens), [])
+        request.num_computed_tokens = len(tokens)
+        kv.free(request)
+    assert list(kv.pool.tails) == [None] and kv.pool.blocks[1].tail == (None, (1, 3, 3))
+    assert kv.pool.blocks[0].tail is None  # replaced by the newer one
+    new = make_request("new", [1, 3, 5])
+    cached, num_cached = kv.find_cached_prefix(new)
+    assert (cached, num_cached) == ([1], 2)
+    kv.allocate(new, 1, cached, num_cached)
+    assert new.block_ids == [1] and kv.pool.tails == {}
+    kv.pool.check_invariants()

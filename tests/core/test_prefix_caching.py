@@ -167,3 +167,67 @@ def test_outputs_identical_with_caching_and_chunking_on_and_off(
         engine.add_request(str(i), prompt, greedy())
     result = drain(engine)
     assert [result[str(i)] for i in range(len(prompts))] == [expected(hf_model, p) for p in prompts]
+
+
+def keystroke_after(hf_model, prompt, num_generated):
+    """A next token for `prompt` that differs from what it generated first (the user typed on)."""
+    return next(t for t in (5, 6) if t != expected(hf_model, prompt, num_generated)[0])
+
+
+@pytest.mark.parametrize("ends_by", ["finishing", "abort"])
+def test_the_next_keystroke_takes_over_the_partly_filled_block(checkpoint, hf_model, ends_by):
+    """A request that extends a finished one's prompt shares the tokens in its partly filled last
+    block too, not only its full blocks: it runs only what it adds."""
+    engine = make_engine(checkpoint)
+    kv = engine.scheduler.kv
+    typed = SHARED + [1]  # 4 full blocks and one more token
+    engine.add_request("typed", typed, greedy(2))
+    if ends_by == "abort":
+        engine.step()  # the prompt and one generated token
+        engine.abort(["typed"])
+    drain(engine)
+    assert len(kv.pool.tails) == 1  # [1, first generated token], keys and values computed
+    kept_block = next(iter(kv.pool.tails.values()))
+    next_prompt = typed + [keystroke_after(hf_model, typed, 2)]
+    engine.add_request("next", next_prompt, greedy())
+    scheduled = engine.scheduler.schedule()
+    assert scheduled.num_scheduled_tokens == {"next": 1}  # only the new keystroke runs
+    request = engine.scheduler.requests["next"]
+    assert request.block_ids[4] == kept_block and request.num_cached_tokens == 17
+    assert kv.pool.tails == {}  # taken over: its slots after the shared token are rewritten
+    tokens = engine.scheduler.update(
+        scheduled, *engine.runner.execute(scheduled, engine.eos_token_ids)
+    )
+    result = drain(engine, {"next": tokens[0].new_token_ids})
+    assert result["next"] == expected(hf_model, next_prompt)
+    kv.pool.check_invariants()
+
+
+def test_a_kept_tail_goes_to_one_request_and_is_evicted_like_any_free_block(checkpoint, hf_model):
+    engine = make_engine(checkpoint, num_kv_blocks=12, max_model_len=48)
+    kv = engine.scheduler.kv
+    typed = SHARED + [1, 2]
+    engine.add_request("typed", typed, greedy(1))
+    drain(engine)
+    assert list(kv.pool.tails.values()) == [4]
+    # Two requests extend it in one step: the first takes the tail, the second recomputes.
+    first, second = typed + [7], typed + [8]
+    engine.add_request("first", first, greedy())
+    engine.add_request("second", second, greedy())
+    scheduled = engine.scheduler.schedule()
+    assert scheduled.num_scheduled_tokens == {"first": 1, "second": 3}
+    tokens = engine.scheduler.update(
+        scheduled, *engine.runner.execute(scheduled, engine.eos_token_ids)
+    )
+    result = drain(engine, {d.request_id: list(d.new_token_ids) for d in tokens})
+    assert result == {"first": expected(hf_model, first), "second": expected(hf_model, second)}
+    kv.pool.check_invariants()
+    # A kept tail is a free block: a request that needs blocks takes it (and it is forgotten).
+    tails_before = set(kv.pool.tails.values())
+    engine.add_request("filler", [3] * 40, greedy(3))
+    engine.step()
+    filler_blocks = set(engine.scheduler.requests["filler"].block_ids)
+    assert tails_before & filler_blocks  # 11 of 12 blocks: some were tails
+    assert not set(kv.pool.tails.values()) & filler_blocks
+    kv.pool.check_invariants()
+    drain(engine)

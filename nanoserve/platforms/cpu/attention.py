@@ -1,11 +1,19 @@
-"""The default CPU attention backend: the reference backend, with decode tokens attending through
-our compiled paged-decode kernel (`csrc/decode_attention.cpp`, see `kernels.py`).
+"""The default CPU attention backend: the reference backend, with decode tokens (and the tokens
+of steps whose every request runs only a few) attending through our compiled paged-decode
+kernel (`csrc/decode_attention.cpp`, see `kernels.py`).
 
 The reference path gathers every decode request's keys and values out of the paged cache, pads
 them to the longest context and runs PyTorch's ops over the copies: at a decode step's sizes
 that costs more in copies and dispatch than in arithmetic. The kernel reads each key and value
 row where it lies in the cache, once for all the query heads that share it, in float32 (an FP8
-cache's rows widened as they are read). Prompt tokens attend as in the reference backend.
+cache's rows widened as they are read).
+
+A short prompt chunk after a long cached prefix (an editor's next keystroke: a few new tokens
+over a whole document) is the same shape as a few decode tokens: each of its tokens attends over
+the context up to its own position. Where every request of a step runs at most
+`SHORT_CHUNK_TOKENS` tokens, each token goes through the kernel as if it were a decode token,
+with its request's block table and its own context length; no context is gathered. Longer
+prompt chunks attend as in the reference backend (SDPA's flash kernel over the gathered context).
 """
 
 from __future__ import annotations
@@ -18,18 +26,41 @@ from nanoserve.core.attention.reference import (
     ReferenceAttention,
     ReferenceMetadata,
     decode_group_attention,
+    write_kv,
 )
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+# Up to this many tokens per request, a step's tokens attend one by one through the kernel.
+SHORT_CHUNK_TOKENS = 16
 
 
 class CpuKernelAttention(ReferenceAttention):
-    """Reference attention whose decode tokens take the compiled paged-decode kernel."""
+    """Reference attention whose decode tokens, and short chunks, take the paged-decode kernel."""
 
     name = "cpu"
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: ReferenceMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        is_short = meta.is_decode_only or max(meta.query_lens_list) <= SHORT_CHUNK_TOKENS
+        if not is_short or q.dtype not in KERNEL_DTYPES or q.device.type != "cpu":
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            tables, seq_lens = meta.block_tables, meta.seq_lens
+        else:
+            tables, seq_lens = per_token_contexts(meta)
+        return self.kernels.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
 
     def attend_decodes(
         self,
@@ -44,3 +75,15 @@ class CpuKernelAttention(ReferenceAttention):
         return self.kernels.paged_decode_attention(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
         )
+
+
+def per_token_contexts(meta: ReferenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token of the step as a decode token: its request's block table ([T, max_blocks])
+    and the context it sees ([T]: every key up to and including its own position)."""
+    query_lens = torch.tensor(meta.query_lens_list, device=meta.seq_lens.device)
+    request_of_token = torch.repeat_interleave(query_lens)  # [T]: 0, 0, 0, 1, 2, 2, ...
+    first_token = meta.query_start_loc.to(query_lens.device)[request_of_token]  # [T]
+    index_in_chunk = torch.arange(len(request_of_token), device=query_lens.device) - first_token
+    first_position = meta.seq_lens - query_lens  # [B]: cached tokens before this step's
+    seq_lens = first_position[request_of_token] + index_in_chunk + 1  # [T]
+    return meta.block_tables.index_select(0, request_of_token), seq_lens

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanoserve.core.attention.reference import ReferenceAttention, build_reference_metadata
-from nanoserve.platforms.cpu.attention import CpuKernelAttention
+from nanoserve.platforms.cpu.attention import SHORT_CHUNK_TOKENS, CpuKernelAttention
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 4, 2, 8
@@ -50,6 +50,8 @@ def test_mixed_steps_match_naive_attention(seed, backend):
     shapes += [
         (rng.choice([0, 4, 7, 12]), rng.randrange(2, 11)) for _ in range(rng.randrange(1, 4))
     ]
+    if seed % 2:  # a chunk longer than the CPU backend's short ones: SDPA over the context
+        shapes.append((rng.choice([0, 5]), SHORT_CHUNK_TOKENS + 3))
     query_lens, seq_lens, tables, slots = [], [], [], []
     full_keys, full_values, query_positions = [], [], []
     for num_cached, num_new in shapes:
