@@ -9,7 +9,9 @@ runs a few of them at a neighbouring count, interleaved with the current one; th
 wins. A probe starts at once, toward fewer threads, when the current count's steps suddenly slow
 down (a process took a core), and otherwise at intervals that grow while the answer stays the
 same; a probe ends at the first timed step of the other count that is plainly slower than usual,
-since on a busy core each such step costs many ordinary ones.
+since on a busy core each such step costs many ordinary ones. A step that gives a request its
+first token is never probed (nor timed): after the prefix cache an editor's next keystroke is a
+one-token step, and its time to first token must not be the one run at the slower count.
 
 `GovernedRunner` is the step runner that applies it: it sets the count (`torch.set_num_threads`,
 which the C++ kernels' OpenMP regions and oneDNN share) before each step and reports the step's
@@ -36,13 +38,16 @@ MIN_PROBE_INTERVAL_S = 1.0
 MAX_PROBE_INTERVAL_S = 16.0
 SWITCH_MARGIN = 0.9  # another count must be this much faster (its median step time) to win
 SLOWDOWN_FACTOR = 2.0  # a current step this much slower than usual starts a probe at once
+GIVE_UP_FACTOR = 1.5  # a probed count's step this much slower than usual ends the probe
 BASELINE_STEPS = 8  # recent steps at the current count that make "usual"
 
 
 def is_timed(layout: StepLayout) -> bool:
     """Decode steps are timed and compared; not those that verify drafts (they run more
-    tokens by design, and would look like a core lost to another process)."""
-    return layout.is_decode_only and not any(layout.draft_token_ids)
+    tokens by design, and would look like a core lost to another process), nor a one-token
+    prompt's (a first token is waited for)."""
+    is_first_token = any(not r.output_token_ids for r in layout.sampling_requests)
+    return layout.is_decode_only and not any(layout.draft_token_ids) and not is_first_token
 
 
 class ThreadGovernor:
@@ -100,7 +105,7 @@ class ThreadGovernor:
         if threads == expected and len(self.probe) < 2 * PROBE_STEPS:  # past the warm-up pair
             self.samples[threads].append(seconds)
             usual = statistics.median(self.recent) if self.recent else float("inf")
-            if threads != self.threads and seconds > SLOWDOWN_FACTOR * usual:
+            if threads != self.threads and seconds > GIVE_UP_FACTOR * usual:
                 self.probe = []  # plainly slower (a pair on one free core): no more such steps
         if not self.probe:
             self._decide()

@@ -137,3 +137,32 @@ def test_cpu_engines_adapt_unless_told_not_to(tmp_path, monkeypatch, restore_thr
     monkeypatch.setenv("NANOSERVE_ADAPTIVE_THREADS", "0")
     assert [r.name for r in build_engine(config).runner.step_runners] == ["eager"]
     assert governor_module.PROBE_STEPS >= 2  # a probe's verdict is a median of several steps
+
+
+def test_a_probe_of_a_slower_count_ends_after_one_timed_step():
+    """On a quiet machine one thread of two is ~1.8x slower: a probe of it costs its warm-up
+    step and one timed step, not PROBE_STEPS of them."""
+    clock = Clock()
+    governor = ThreadGovernor(2, clock)
+    used = run_steps(governor, clock, {1: 0.018, 2: 0.010}, 40)  # the first probe comes early
+    assert governor.threads == 2 and used.count(1) == 2
+
+
+def test_a_step_that_gives_a_request_its_first_token_is_never_probed():
+    """A keystroke's prompt after the prefix cache runs one token: a decode-shaped step whose
+    time to first token must not be spent at the probed count."""
+    from nanoserve.common.sampling_params import SamplingParams
+    from nanoserve.core.request import Request
+
+    fresh = Request("keystroke", [1, 2, 3], SamplingParams(max_tokens=4))
+    first_token = StepLayout(
+        input_ids=[3], positions=[2], query_lens=[1], seq_lens=[3], sample_rows=[0]
+    )
+    first_token.sampling_requests = [fresh]
+    clock = Clock()
+    governor = ThreadGovernor(2, clock)
+    run_steps(governor, clock, {1: 0.010, 2: 0.006}, FIRST_PROBE_AFTER_STEPS + 1)
+    assert governor.threads_for(DECODE) == 1  # the next decode step would run the probed count
+    assert governor.threads_for(first_token) == 2
+    governor.observe(first_token, 2, 0.5)
+    assert governor.num_decode_steps == FIRST_PROBE_AFTER_STEPS + 1  # not timed either
