@@ -10,7 +10,7 @@ from pathlib import Path
 from nanoserve.bench import workloads
 from nanoserve.bench.arms import DEFAULT_VLLM_VENV
 from nanoserve.bench.background import parse_background_load
-from nanoserve.bench.llamacpp import DEFAULT_LLAMACPP_DIR
+from nanoserve.bench.llamacpp import DEFAULT_LLAMACPP_DIR, SLOTS
 from nanoserve.bench.models import PRESETS
 from nanoserve.cli.help_format import DefaultsHelpFormatter
 
@@ -222,4 +222,14 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         "--llamacpp-server",
         type=Path,
         help="a llama-server binary to use (default: one built from llama-cpp-python's source)",
+    )
+    servers.add_argument(
+        "--llamacpp-slots",
+        type=int,
+        default=SLOTS,
+        help="llama-server's --parallel (each slot gets --max-model-len of context); one slot "
+        "is an editor's set-up: every request lands where the document is cached",
+    )
+    servers.add_argument(
+        "--llamacpp-args", default="", help="extra arguments for llama-server (one string)"
     )

@@ -90,6 +90,8 @@ class ArmOptions:
     vllm_args: list[str] = field(default_factory=list)
     llamacpp_dir: Path = DEFAULT_LLAMACPP_DIR  # where llama-server is built (once)
     llamacpp_server: Path | None = None  # a llama-server to use instead of building one
+    llamacpp_slots: int = SLOTS  # llama-server's --parallel
+    llamacpp_args: list[str] = field(default_factory=list)
     # OMP_WAIT_POLICY for every arm ("PASSIVE", "ACTIVE"); None leaves each server's own default.
     omp_wait_policy: str | None = None
 
@@ -221,17 +223,20 @@ class Server:
         return argv, description
 
     def _llamacpp_launch(self, env: dict) -> tuple[list[str], dict]:
-        """llama-server over the checkpoint as bf16 GGUF, SLOTS parallel sequences of
-        max_model_len each, continuous batching (its default)."""
+        """llama-server over the checkpoint as bf16 GGUF, `llamacpp_slots` parallel sequences
+        of max_model_len each, continuous batching (its default)."""
         options = self.options
         server = options.llamacpp_server or ensure_llama_server(options.llamacpp_dir)
         gguf = ensure_gguf(self.model_dir, options.llamacpp_dir)
+        slots = options.llamacpp_slots
         argv = [str(server), "-m", str(gguf), "--host", "{host}", "--port", "{port}"]
-        argv += ["--threads", str(options.threads), "--parallel", str(SLOTS)]
-        argv += ["--ctx-size", str(SLOTS * options.max_model_len), "--alias", "llamacpp"]
+        argv += ["--threads", str(options.threads), "--parallel", str(slots)]
+        argv += ["--ctx-size", str(slots * options.max_model_len), "--alias", "llamacpp"]
+        argv += options.llamacpp_args
+        extra = " " + " ".join(options.llamacpp_args) if options.llamacpp_args else ""
         description = {
             "server": "llama.cpp llama-server (" + server.name + ")",
-            "mode": f"bf16 GGUF, {SLOTS} slots, --threads {options.threads}",
+            "mode": f"bf16 GGUF, {slots} slots, --threads {options.threads}{extra}",
         }
         return argv, description
 

@@ -133,6 +133,8 @@ def _arm_options(args: argparse.Namespace, log_dir: Path) -> ArmOptions:
         vllm_args=args.vllm_args.split(),
         llamacpp_dir=args.llamacpp_dir,
         llamacpp_server=args.llamacpp_server,
+        llamacpp_slots=args.llamacpp_slots,
+        llamacpp_args=args.llamacpp_args.split(),
         omp_wait_policy=args.omp_wait_policy,
     )
 

@@ -25,6 +25,24 @@ def test_llama_server_gets_the_threads_slots_and_context_of_every_arm(tmp_path):
     assert env["OMP_NUM_THREADS"] == "3" and "bf16 GGUF" in description["mode"]
 
 
+def test_an_editor_set_up_of_llama_server_has_one_slot_and_extra_flags(tmp_path):
+    (tmp_path / "model-bf16.gguf").write_bytes(b"GGUF")
+    options = ArmOptions(
+        threads=2,
+        max_model_len=4096,
+        startup_timeout_s=1,
+        log_dir=tmp_path,
+        llamacpp_server=tmp_path / "llama-server",
+        llamacpp_slots=1,
+        llamacpp_args=["--cache-reuse", "256"],
+    )
+    argv, _, description = Server(parse_arm("llamacpp"), tmp_path, options)._launch()
+    flags = dict(zip(argv[3::2], argv[4::2], strict=True))
+    assert flags["--parallel"] == "1" and flags["--ctx-size"] == "4096"
+    assert flags["--cache-reuse"] == "256" and "1 slots" in description["mode"]
+    assert "--cache-reuse 256" in description["mode"]
+
+
 def test_the_byte_tokenizer_is_written_as_a_byte_fallback_vocabulary(tmp_path):
     """Ids keep their meaning: id b is the byte b, the specials stay at their ids, the rest
     up to the model's vocabulary is unused."""
