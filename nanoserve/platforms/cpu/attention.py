@@ -6,7 +6,9 @@ The reference path gathers every decode request's keys and values out of the pag
 them to the longest context and runs PyTorch's ops over the copies: at a decode step's sizes
 that costs more in copies and dispatch than in arithmetic. The kernel reads each key and value
 row where it lies in the cache, once for all the query heads that share it, in float32 (an FP8
-cache's rows widened as they are read).
+cache's rows widened as they are read). Such a step's new keys and values go into the cache
+through the kernels' `store_kv` too (a byte copy per token: `index_copy_`'s set-up costs more
+than the copy at these sizes).
 
 A short prompt chunk after a long cached prefix (an editor's next keystroke: a few new tokens
 over a whole document) is the same shape as a few decode tokens: each of its tokens attends over
@@ -26,7 +28,6 @@ from nanoserve.core.attention.reference import (
     ReferenceAttention,
     ReferenceMetadata,
     decode_group_attention,
-    write_kv,
 )
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
@@ -55,7 +56,7 @@ class CpuKernelAttention(ReferenceAttention):
         is_short = meta.is_decode_only or max(meta.query_lens_list) <= SHORT_CHUNK_TOKENS
         if not is_short or q.dtype not in KERNEL_DTYPES or q.device.type != "cpu":
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # as write_kv does
         if meta.is_decode_only:
             tables, seq_lens = meta.block_tables, meta.seq_lens
         else:

@@ -10,6 +10,7 @@ from nanoserve.core.attention.reference import (
     ReferenceAttention,
     build_reference_metadata,
     decode_group_attention,
+    write_kv,
 )
 from nanoserve.platforms.cpu import kernels as cpu_kernels
 from nanoserve.platforms.cpu.attention import CpuKernelAttention
@@ -157,3 +158,22 @@ def test_kernel_over_an_fp8_cache_matches_the_eager_decode(
     expected = decode_group_attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.3)
     tolerance = 1e-5 if query_dtype == torch.float32 else 2**-7
     torch.testing.assert_close(got.float(), expected, atol=tolerance * 3, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_store_kv_writes_what_index_copy_writes(kernels, dtype):
+    """Each token's keys and values land in their slot, byte for byte, values taken from a
+    strided slice (as v is of the fused qkv product); a slot outside the pool is refused."""
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 16
+    qkv = torch.randn(5, 3 * num_kv_heads * head_dim).to(dtype)  # [T, (q, k, v)]
+    k = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].reshape(5, 2, head_dim)
+    v = qkv[:, 2 * num_kv_heads * head_dim :].view(5, num_kv_heads, head_dim)  # strided tokens
+    slots = torch.tensor([3, 17, 4, 23, 0])
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.zeros(shape).to(dtype) for _ in range(4)]
+    kernels.store_kv(k, v, caches[0], caches[1], slots)
+    write_kv(k, v, caches[2], caches[3], slots)
+    for got, expected in zip(caches[:2], caches[2:], strict=True):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    with pytest.raises(RuntimeError, match="slot 24 of 24"):
+        kernels.store_kv(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 24]))

@@ -12,6 +12,8 @@ void set_gemv_prefetch(int64_t bytes);
 int64_t gemv_prefetch();
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_mapping);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> weight, double eps);
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor signed_sin);
@@ -29,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_prefetch", &gemv_prefetch, "the GEMVs' prefetch distance in bytes");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per request attending over its paged K/V context");
+  m.def("store_kv", &store_kv, "[T, Hkv, D] keys and values into their slots of the caches");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [T, H, D], weight optional");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] (gate, then up) -> [T, I]");
   m.def("rotary", &rotary, "neox-style rotary embedding of [T, H, D] by [T, 1, D] cos/sin");

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -265,4 +266,39 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tens
     attend_cache<float>(q, k_cache, v_cache, tables, lens, scale, out);
   }
   return out;
+}
+
+// One token's keys (or values) as bytes: a [T, Hkv, D] tensor whose tokens may be strided (v is
+// a slice of the fused qkv product) but whose heads and dims are contiguous within a token.
+static const char* token_rows(const at::Tensor& x, int64_t row_bytes) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "[T, Hkv, D] rows");
+  TORCH_CHECK(x.size(1) * x.size(2) * x.element_size() == row_bytes, "a cache row's size");
+  return static_cast<const char*>(x.data_ptr());
+}
+
+// k, v [T, Hkv, D] written to their slots of the caches [num_blocks, block_size, Hkv, D], in
+// one dtype (rows are copied as bytes, so FP8 too); slot_mapping [T] int64. What index_copy_
+// does, without its per-call set-up (a decode step calls this once per layer).
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "two caches alike");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "keys and values in their cache's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0));
+  TORCH_CHECK(v.size(0) == k.size(0), "as many values as keys");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = k_cache.size(2) * k_cache.size(3) * k_cache.element_size();
+  const char* k_rows = token_rows(k, row_bytes);
+  const char* v_rows = token_rows(v, row_bytes);
+  char* k_out = static_cast<char*>(k_cache.data_ptr());
+  char* v_out = static_cast<char*>(v_cache.data_ptr());
+  auto slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t k_step = k.stride(0) * k.element_size(), v_step = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " of ", num_slots);
+    std::memcpy(k_out + slot[t] * row_bytes, k_rows + t * k_step, row_bytes);
+    std::memcpy(v_out + slot[t] * row_bytes, v_rows + t * v_step, row_bytes);
+  }
 }
