@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import ServerProcess
+from servers import ServerProcess, child_pids
 from tiny_checkpoints import make_tiny_checkpoint
 
 
@@ -230,10 +230,18 @@ def test_sigterm_under_load_ends_every_stream_with_done(slower_server: ServerPro
 
 
 def test_health_is_503_while_the_model_loads(tiny_model: Path, tmp_path: Path) -> None:
-    """The front answers as soon as it listens; the worker loads the model behind it."""
+    """The front answers as soon as it listens; the worker loads the model behind it. The worker
+    starts before the front loads its tokenizer, and the tiny model loads in less time than
+    that: it is stopped (SIGSTOP) as soon as it exists, a worker still loading, until the front
+    has answered."""
     server = ServerProcess(tiny_model, tmp_path / "server.log")
     try:
         deadline = time.monotonic() + 120
+        while not (workers := child_pids(server.process.pid)):
+            assert time.monotonic() < deadline and server.process.poll() is None, server.log()
+            time.sleep(0.01)  # paces the poll
+        [worker] = workers
+        os.kill(worker, signal.SIGSTOP)
         while True:  # until the front answers at all
             assert time.monotonic() < deadline and server.process.poll() is None, server.log()
             try:
@@ -245,6 +253,7 @@ def test_health_is_503_while_the_model_loads(tiny_model: Path, tmp_path: Path) -
         assert "not ready" in health.json()["error"]["message"]
         refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, timeout=5)
         assert refused.status_code == 503 and "retry-after" in refused.headers
+        os.kill(worker, signal.SIGCONT)
         server.wait_healthy()
         done = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, timeout=30)
         assert done.status_code == 200

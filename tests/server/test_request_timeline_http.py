@@ -42,9 +42,10 @@ def test_a_request_with_a_cached_prefix_shows_the_hit_then_its_steps(
     assert kinds[:4] == ["arrived", "queued", "admitted", "prefill"]
     assert kinds[-1] == "finished" and events[-1]["reason"] == "length"
     assert set(kinds[4:-1]) == {"decode"}
-    # Every full block of the prompt but the last token's: 18 × 16 tokens from the cache.
-    assert events[2]["cached_tokens"] == 288
-    assert (events[3]["first_position"], events[3]["num_tokens"]) == (288, 12)
+    # Every token of the prompt but the last from the cache: 18 full blocks of 16, then 11 in
+    # the partly filled block the first request left (a kept tail).
+    assert events[2]["cached_tokens"] == 299
+    assert (events[3]["first_position"], events[3]["num_tokens"]) == (299, 1)
     decodes = [e for e in events if e["type"] == "decode"]
     assert sum(e["num_tokens"] for e in decodes) == 3
     assert sum(e["num_steps"] for e in decodes) == 3
@@ -107,7 +108,9 @@ def test_with_the_playground_off_timelines_are_off(
 def test_a_stop_string_ends_the_timeline_as_stop(server: InProcessServer) -> None:
     first = complete(server.url, max_tokens=8)["choices"][0]["text"]
     stop = first[2:4]  # greedy: the same text again, cut at its third character
-    answer = complete(server.url, ASK, max_tokens=8, stop=[stop])
+    # Room for many more tokens than the stop needs: the engine must not finish by length
+    # before the front, which matches stop strings, has aborted the request.
+    answer = complete(server.url, ASK, max_tokens=64, stop=[stop])
     assert answer["choices"][0]["finish_reason"] == "stop"
     events = timeline(server.url, answer["id"]).json()["requests"][0]["events"]
     assert events[-1]["type"] == "finished" and events[-1]["reason"] == "stop"
