@@ -1,7 +1,7 @@
 """Speculative decoding, side by side in one run: no speculation, n-gram and suffix drafts.
 
     python -m benchmarks.speculative_decoding [--rounds 3] [--concurrency 1 8 32]
-        [--cost-shape Qwen/Qwen3-0.6B]
+        [--cost-shape Qwen/Qwen3-0.6B] [--model DIR] [--workloads no-repeat]
 
 Part 1, on the demo model (real weights, so acceptance means something), in-process engines
 (`LLM`, the defaults a user gets plus `--speculative-config`), arms alternating round by round:
@@ -15,7 +15,9 @@ Part 1, on the demo model (real weights, so acceptance means something), in-proc
 
 At each concurrency (requests submitted together; each measurement is --repeats such batches of
 different prompts) it reports output tok/s, the ratio to no speculation, and per proposer the
-draft acceptance rate and mean acceptance length.
+draft acceptance rate and mean acceptance length. `--model` runs part 1 on another checkpoint
+(a dummy-weight shape's acceptance means nothing, but its no-repeat workload shows what
+speculation costs where a step is as long as a real model's).
 
 Part 2, the cost side of a draft model, where only random-weight shapes exist offline: the
 time of one engine step of `--cost-shape` (dummy weights, one request with a 512-token
@@ -107,13 +109,13 @@ def acceptance(llm: LLM, before) -> tuple[float, float]:
 
 def part_one(args: argparse.Namespace) -> list[str]:
     """Every workload and concurrency, the arms alternating within each round."""
-    llms = {name: LLM("nanoserve-demo", speculative_config=spec) for name, spec in ARMS.items()}
+    llms = {name: LLM(args.model, speculative_config=spec) for name, spec in ARMS.items()}
     warm_up = edit_prompts(llms["none"], 2)
     for llm in llms.values():  # first steps settle threads and caches: not measured
         run_batch(llm, warm_up, 0.0)
     results: dict[tuple[str, int, str], list[tuple[int, float, float, float]]] = {}
     for round_index in range(args.rounds):
-        for workload in ("edit", "no-repeat"):
+        for workload in args.workloads:
             for concurrency in args.concurrency:
                 batches = [
                     workload_prompts(llms["none"], workload, concurrency, offset)
@@ -225,6 +227,10 @@ def main() -> None:
     parser.add_argument("--cost-shape", default="Qwen/Qwen3-0.6B")
     parser.add_argument("--cost-steps", type=int, default=8)
     parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--model", default="nanoserve-demo", help="part 1's checkpoint")
+    parser.add_argument(
+        "--workloads", nargs="+", choices=["edit", "no-repeat"], default=["edit", "no-repeat"]
+    )
     args = parser.parse_args()
     print(f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.processor() or platform.machine()}")
     lines = part_one(args)
