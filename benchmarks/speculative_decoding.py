@@ -138,7 +138,7 @@ def part_one(args: argparse.Namespace) -> list[str]:
                         f"mean length {length:.2f}",
                         flush=True,
                     )
-    return throughput_table(results) + [""] + ttft_table(llms)
+    return throughput_table(results) + [""] + ttft_table(llms, args.model)
 
 
 def workload_prompts(llm: LLM, workload: str, concurrency: int, offset: int = 0):
@@ -175,13 +175,13 @@ def _tokens_per_s(runs: list[tuple[int, float, float, float]]) -> float:
     return sum(r[0] for r in runs) / sum(r[1] for r in runs)
 
 
-def ttft_table(llms: dict[str, LLM]) -> list[str]:
+def ttft_table(llms: dict[str, LLM], model: str) -> list[str]:
     autocomplete = [prompt[:200] for prompt, _ in edit_prompts(llms["none"], 6)]
     ttfts = {name: ttft_ms(llm, autocomplete) for name, llm in llms.items()}
     return [
         "| autocomplete TTFT, mean of 6 (ms) | " + " | ".join(ARMS) + " |",
         "|---|" + "---|" * len(ARMS),
-        "| demo model | " + " | ".join(f"{ttfts[n]:.1f}" for n in ARMS) + " |",
+        f"| {Path(model).name} | " + " | ".join(f"{ttfts[n]:.1f}" for n in ARMS) + " |",
     ]
 
 
