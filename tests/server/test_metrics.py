@@ -154,7 +154,10 @@ def test_buckets_are_vllms(server: InProcessServer) -> None:
 
 def test_a_request_is_counted_in_every_phase_and_size(server: InProcessServer) -> None:
     before = read_metrics(server.url)
-    usage = complete(server.url, max_tokens=7, ignore_eos=True, n=2)["usage"]
+    # Phases are timed as deltas reach the front, and a stream merges the deltas it has not
+    # handed on yet: replies long enough that each choice's tokens come in more than one.
+    # A prompt no earlier test sent, so that no kept tail holds any of it.
+    usage = complete(server.url, prompt="Zq", max_tokens=40, ignore_eos=True, n=2)["usage"]
     after = read_metrics(server.url)
 
     def added(key: str) -> float:
@@ -166,12 +169,12 @@ def test_a_request_is_counted_in_every_phase_and_size(server: InProcessServer) -
     assert added("vllm:request_decode_time_seconds_sum") > 0
     assert added("vllm:request_success_total{finished_reason=length}") == 2
     assert added("vllm:request_prompt_tokens_sum") == 2 * num_prompt
-    assert added("vllm:request_generation_tokens_sum") == 14 == usage["completion_tokens"]
-    assert added("vllm:request_params_max_tokens_sum") == 14
+    assert added("vllm:request_generation_tokens_sum") == 80 == usage["completion_tokens"]
+    assert added("vllm:request_params_max_tokens_sum") == 80
     assert added("vllm:request_params_n_sum") == 4  # each choice reports its request's n
     assert added("vllm:prompt_tokens_total") == 2 * num_prompt
     # Every token the engine computed for it, each in the step that computed it.
-    assert added("vllm:iteration_tokens_total_sum") == 2 * num_prompt + 14
+    assert added("vllm:iteration_tokens_total_sum") == 2 * num_prompt + 80
     assert added("vllm:request_time_per_output_token_seconds_count") == 2
     assert added("vllm:time_to_first_token_seconds_count") == 2
 
