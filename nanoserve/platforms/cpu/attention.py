@@ -20,7 +20,10 @@ prompt chunks attend as in the reference backend (SDPA's flash kernel over the g
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,9 +33,21 @@ from nanoserve.core.attention.reference import (
     decode_group_attention,
 )
 
+if TYPE_CHECKING:
+    from nanoserve.core.step_layout import StepLayout
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # Up to this many tokens per request, a step's tokens attend one by one through the kernel.
 SHORT_CHUNK_TOKENS = 16
+
+
+@dataclass
+class CpuKernelMetadata(ReferenceMetadata):
+    """The reference metadata plus, where every request of the step runs at most
+    `SHORT_CHUNK_TOKENS` tokens, each token as a decode query: its request's block table
+    ([T, max_blocks]) and the context it sees ([T]), built once per step for every layer."""
+
+    token_contexts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class CpuKernelAttention(ReferenceAttention):
@@ -42,6 +57,11 @@ class CpuKernelAttention(ReferenceAttention):
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
+
+    def build_metadata(
+        self, layout: StepLayout, block_size: int, device: torch.device
+    ) -> CpuKernelMetadata:
+        return with_token_contexts(super().build_metadata(layout, block_size, device))
 
     def forward(
         self,
@@ -53,15 +73,11 @@ class CpuKernelAttention(ReferenceAttention):
         meta: ReferenceMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
-        is_short = meta.is_decode_only or max(meta.query_lens_list) <= SHORT_CHUNK_TOKENS
-        if not is_short or q.dtype not in KERNEL_DTYPES or q.device.type != "cpu":
+        contexts = token_contexts(meta)
+        if contexts is None or q.dtype not in KERNEL_DTYPES or q.device.type != "cpu":
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # as write_kv does
-        if meta.is_decode_only:
-            tables, seq_lens = meta.block_tables, meta.seq_lens
-        else:
-            tables, seq_lens = per_token_contexts(meta)
-        return self.kernels.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
+        return self.kernels.paged_decode_attention(q, k_cache, v_cache, *contexts, scale)
 
     def attend_decodes(
         self,
@@ -88,3 +104,20 @@ def per_token_contexts(meta: ReferenceMetadata) -> tuple[torch.Tensor, torch.Ten
     first_position = meta.seq_lens - query_lens  # [B]: cached tokens before this step's
     seq_lens = first_position[request_of_token] + index_in_chunk + 1  # [T]
     return meta.block_tables.index_select(0, request_of_token), seq_lens
+
+
+def with_token_contexts(meta: ReferenceMetadata) -> CpuKernelMetadata:
+    """`meta` with its tokens' contexts where the step's chunks are short enough (see above)."""
+    fields = {field.name: getattr(meta, field.name) for field in dataclasses.fields(meta)}
+    cpu_meta = CpuKernelMetadata(**fields)
+    if not meta.is_decode_only and max(meta.query_lens_list) <= SHORT_CHUNK_TOKENS:
+        cpu_meta.token_contexts = per_token_contexts(meta)
+    return cpu_meta
+
+
+def token_contexts(meta: ReferenceMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(block tables, context lengths) of the step's tokens as decode queries, or None where
+    its prompt chunks attend as in the reference backend."""
+    if meta.is_decode_only:
+        return meta.block_tables, meta.seq_lens  # one token per request: the requests' own
+    return meta.token_contexts if isinstance(meta, CpuKernelMetadata) else None

@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from nanoserve.core.attention.reference import ReferenceAttention, build_reference_metadata
-from nanoserve.platforms.cpu.attention import SHORT_CHUNK_TOKENS, CpuKernelAttention
+from nanoserve.platforms.cpu.attention import (
+    SHORT_CHUNK_TOKENS,
+    CpuKernelAttention,
+    with_token_contexts,
+)
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 4, 2, 8
@@ -77,8 +81,10 @@ def test_mixed_steps_match_naive_attention(seed, backend):
     new_v = torch.cat([v[len(v) - n :] for v, n in zip(full_values, query_lens, strict=True)])
     query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM)
     attention = (
-        ReferenceAttention() if backend == "eager" else CpuKernelAttention(load_cpu_kernels())
+        ReferenceAttention() if backend == "reference" else CpuKernelAttention(load_cpu_kernels())
     )
+    if backend == "cpu":  # as its build_metadata gives it: short chunks' tokens as decodes
+        meta = with_token_contexts(meta)
     got = attention.forward(query, new_k, new_v, k_cache, v_cache, meta, 0.35)
 
     start = 0
