@@ -4,12 +4,14 @@
     layer ops        fused RMSNorm, RoPE and SwiGLU kernels (`fused_ops.py`)
     attention        the reference backend with our paged-decode kernel (`attention.py`)
     KV pool memory   zeros the OS hands out as pages are first written (`memory.py`)
-    step runners     with `--compile`, decode steps under torch.compile (`compiled.py`); every
-                     step at the thread count its timing picks (`threads.py`)
+    step runners     decode steps of a few tokens through every layer in one C++ call
+                     (`fused_decode.py`), or with `--compile` under torch.compile
+                     (`compiled.py`); every step at the thread count its timing picks
+                     (`threads.py`)
 
 Each needs the C++ kernels (`kernels.py`) but the packing and the thread count: without them (no
 compiler, or NANOSERVE_CPU_KERNELS=0) the portable ops and the reference backend run.
-`--enforce-eager` turns the compiled path off. The thread count adapts unless
+`--enforce-eager` turns the fused and compiled decode steps off. The thread count adapts unless
 NANOSERVE_ADAPTIVE_THREADS=0 or `--compile` (inductor fixes its kernels' count when it compiles
 them): the worker's count (OMP_NUM_THREADS, or the front's choice) is then the most it uses.
 """
@@ -30,6 +32,7 @@ from nanoserve.core.model_runner import EagerStepRunner, StepRunner
 from nanoserve.core.models.base import CausalLM
 from nanoserve.platforms.cpu.attention import CpuKernelAttention
 from nanoserve.platforms.cpu.compiled import CompiledCpuAttention, CompiledDecodeRunner
+from nanoserve.platforms.cpu.fused_decode import fused_decode_runner
 from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import install_cpu_linears
@@ -43,6 +46,7 @@ class CpuPaths:
     def __init__(self, config: EngineConfig, kernels: ModuleType | None) -> None:
         self.kernels = kernels
         self.compiled = config.use_compiled_decode
+        self.fused = kernels is not None and not config.enforce_eager and not self.compiled
 
     def prepare_model(self, model: CausalLM) -> None:
         """Packed weights for the linears still plain (after any quantization), fused ops."""
@@ -65,6 +69,9 @@ class CpuPaths:
             compiled = CompiledDecodeRunner(eager)
             compiled.compile_graphs()
             runners = [compiled, eager]
+        fused = fused_decode_runner(eager) if self.fused else None
+        if fused is not None:
+            runners = [fused, eager]
         max_threads = torch.get_num_threads()
         is_off = os.environ.get("NANOSERVE_ADAPTIVE_THREADS", "1") == "0"
         if max_threads == 1 or is_off or self.compiled:  # compiled kernels fix their count

@@ -7,6 +7,9 @@
     rms_norm                RMSNorm in one pass per row (fused_ops.py)
     rotary                  the rotary embedding in one pass per head (fused_ops.py)
     silu_mul                SwiGLU's silu(gate) * up in one pass per row (fused_ops.py)
+    store_kv                a step's keys and values into their cache slots (attention.py)
+    DecodeLayers            a decode step through every decoder layer in one call, with the
+                            kernels above (fused_decode.py)
 
 PyTorch's own ops are correct but, for a decode step's short rows, cost their dispatch rather
 than their arithmetic (and PyTorch's int8 kernel converts more slowly than memory delivers).
@@ -55,7 +58,13 @@ from nanoserve.common.cpu_features import cpu_flags
 logger = logging.getLogger("nanoserve.cpu_kernels")
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "decode_attention.cpp", "fused_ops.cpp", "gemv.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "decode_attention.cpp",
+    "decode_layers.cpp",
+    "fused_ops.cpp",
+    "gemv.cpp",
+)
 MODULE_NAME = "nanoserve_cpu_kernels"
 # -ffp-contract=off: no a * b + c becomes one rounding, so fused_ops round as PyTorch does.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")

@@ -133,9 +133,11 @@ def test_cpu_engines_adapt_unless_told_not_to(tmp_path, monkeypatch, restore_thr
 
     config = EngineConfig(model=str(make_tiny_checkpoint(tmp_path)), device="cpu")
     torch.set_num_threads(2)
-    assert [r.name for r in build_engine(config).runner.step_runners] == ["adaptive-threads(eager)"]
+    runners = ["cpu-fused-decode", "eager"]  # a bf16 model; decode steps fused where they can
+    governed = "adaptive-threads(" + ", ".join(runners) + ")"
+    assert [r.name for r in build_engine(config).runner.step_runners] == [governed]
     monkeypatch.setenv("NANOSERVE_ADAPTIVE_THREADS", "0")
-    assert [r.name for r in build_engine(config).runner.step_runners] == ["eager"]
+    assert [r.name for r in build_engine(config).runner.step_runners] == runners
     assert governor_module.PROBE_STEPS >= 2  # a probe's verdict is a median of several steps
 
 

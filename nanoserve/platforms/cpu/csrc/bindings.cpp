@@ -17,6 +17,7 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> weight, double eps);
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor signed_sin);
+void bind_decode_layers(pybind11::module& m);  // the DecodeLayers class (decode_layers.cpp)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, "[M, K] bf16 x [N, K] int8 weight * [N] scales -> [M, N]");
@@ -35,4 +36,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [T, H, D], weight optional");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] (gate, then up) -> [T, I]");
   m.def("rotary", &rotary, "neox-style rotary embedding of [T, H, D] by [T, 1, D] cos/sin");
+  bind_decode_layers(m);
 }

@@ -1,0 +1,133 @@
+// A decode step through every decoder layer of a Llama-family model in one call from Python.
+//
+// `LlamaDecoderLayer.forward` (nanoserve/core/models/llama.py) is the reference: per layer about
+// fifteen tensor ops, each a few microseconds of Python and dispatch. For a decode step of a
+// 0.6B model, whose matrix products stream ~1.2 GB in ~50 ms, the Python between them costs
+// ~3 ms. `DecodeLayers` holds every layer's tensors and runs the same ops, in the same order and
+// through the same kernels (the GEMVs, RMSNorm, RoPE, SwiGLU, store_kv and the paged-decode
+// attention of the other files here), so its output is bit for bit the eager step's; only
+// Python is left out. It holds no GIL while it runs.
+//
+// Each layer is SLOTS tensors, in the order of `Slot` below; an absent one (no bias, no q/k
+// norm, no int8 scales) is an empty tensor. A linear with scales is int8 (row pairs, as
+// int8_gemv takes them), without them bf16.
+#include <torch/extension.h>
+
+#include <vector>
+
+at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales);
+at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight);
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale);
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_mapping);
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> weight, double eps);
+at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor signed_sin);
+
+namespace {
+
+enum Slot {
+  INPUT_NORM,  // [hidden]
+  QKV_WEIGHT, QKV_SCALES, QKV_BIAS,  // [(H + 2 Hkv) D, hidden] (int8: row pairs), [.], [.]
+  Q_NORM, K_NORM,  // [D] each (Qwen3), or absent
+  O_WEIGHT, O_SCALES, O_BIAS,  // [hidden, H D]
+  POST_NORM,  // [hidden]
+  GATE_UP_WEIGHT, GATE_UP_SCALES, GATE_UP_BIAS,  // [2 I, hidden]
+  DOWN_WEIGHT, DOWN_SCALES, DOWN_BIAS,  // [hidden, I]
+  K_CACHE, V_CACHE,  // [num_blocks, block_size, Hkv, D]
+  SLOTS
+};
+
+bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+// x [T, in] @ weight.T (+ bias) -> [T, out]: what the layer's linear method does for a decode
+// step (the int8 GEMV where the layer has scales, else the bf16 one; the bias added after).
+at::Tensor linear(const at::Tensor& x, const at::Tensor* layer, Slot weight) {
+  const at::Tensor& scales = layer[weight + 1];
+  const at::Tensor& bias = layer[weight + 2];
+  at::Tensor out = present(scales) ? int8_gemv(x, layer[weight], scales)
+                                   : bf16_gemv(x, layer[weight]);
+  return present(bias) ? out + bias : out;
+}
+
+// What a step's tokens need besides their activations: the rotary tables of their positions,
+// their slots in the cache, and each token's block table and context (as decode queries).
+struct StepInputs {
+  at::Tensor cos, signed_sin;  // [T, 1, D] each
+  at::Tensor slot_mapping;     // [T] int64
+  at::Tensor block_tables;     // [T, max_blocks] int64
+  at::Tensor seq_lens;         // [T] int64
+};
+
+}  // namespace
+
+// Every decoder layer of one model, held for its decode steps.
+class DecodeLayers {
+ public:
+  DecodeLayers(std::vector<at::Tensor> tensors, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double eps, double scale)
+      : tensors_(std::move(tensors)), H_(num_heads), Hkv_(num_kv_heads), D_(head_dim),
+        eps_(eps), scale_(scale) {
+    TORCH_CHECK(!tensors_.empty() && tensors_.size() % SLOTS == 0, "SLOTS tensors per layer");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(tensors_.size()) / SLOTS; }
+
+  // x [T, hidden] (the embedded tokens) -> [T, hidden] after the last layer (not normed).
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor signed_sin, at::Tensor slot_mapping,
+                     at::Tensor block_tables, at::Tensor seq_lens) const {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[T, hidden] bf16");
+    const StepInputs step{cos, signed_sin, slot_mapping, block_tables, seq_lens};
+    for (int64_t i = 0; i < num_layers(); ++i) x = layer(x, tensors_.data() + i * SLOTS, step);
+    return x;
+  }
+
+ private:
+  // LlamaDecoderLayer.forward: attention then MLP, each added to the residual stream.
+  at::Tensor layer(const at::Tensor& x, const at::Tensor* t, const StepInputs& step) const {
+    const at::Tensor h = x + attention(rms_norm(x, t[INPUT_NORM], eps_), t, step);
+    const at::Tensor gate_up = linear(rms_norm(h, t[POST_NORM], eps_), t, GATE_UP_WEIGHT);
+    return h + linear(silu_mul(gate_up), t, DOWN_WEIGHT);
+  }
+
+  // LlamaAttention.forward for decode tokens: [T, hidden] -> [T, hidden].
+  at::Tensor attention(const at::Tensor& x, const at::Tensor* t, const StepInputs& step) const {
+    const int64_t T = x.size(0), q_size = H_ * D_, kv_size = Hkv_ * D_;
+    const at::Tensor qkv = linear(x, t, QKV_WEIGHT);  // [T, (H + 2 Hkv) D]
+    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, H_ + Hkv_, D_});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv_, D_});
+    at::Tensor q, k;
+    if (present(t[Q_NORM])) {  // one normalization over q's and k's heads, then their scales
+      qk = rms_norm(qk, c10::nullopt, eps_);
+      q = t[Q_NORM] * qk.narrow(1, 0, H_);
+      k = t[K_NORM] * qk.narrow(1, H_, Hkv_);
+    } else {
+      q = qk.narrow(1, 0, H_);
+      k = qk.narrow(1, H_, Hkv_);
+    }
+    q = rotary(q, step.cos, step.signed_sin);  // [T, H, D]
+    k = rotary(k, step.cos, step.signed_sin);  // [T, Hkv, D]
+    store_kv(k, v, t[K_CACHE], t[V_CACHE], step.slot_mapping);
+    const at::Tensor out = paged_decode_attention(q, t[K_CACHE], t[V_CACHE], step.block_tables,
+                                                  step.seq_lens, scale_);  // [T, H, D]
+    return linear(out.view({T, q_size}), t, O_WEIGHT);
+  }
+
+  std::vector<at::Tensor> tensors_;
+  int64_t H_, Hkv_, D_;
+  double eps_, scale_;
+};
+
+void bind_decode_layers(pybind11::module& m) {
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers",
+                                 "every decoder layer of a Llama-family model, for decode steps")
+      .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double>(),
+           "(tensors: SLOTS per layer, num_heads, num_kv_heads, head_dim, eps, scale)")
+      .def_property_readonly("num_layers", &DecodeLayers::num_layers)
+      .def_property_readonly_static("slots", [](pybind11::object) { return int64_t{SLOTS}; })
+      .def("__call__", &DecodeLayers::forward,
+           pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "(x [T, hidden] bf16, cos, signed_sin [T, 1, D], slot_mapping [T], block_tables "
+           "[T, max_blocks], seq_lens [T]) -> [T, hidden]");
+}

@@ -1,0 +1,169 @@
+"""The fused CPU decode step: every decoder layer of a Llama-family model in one C++ call.
+
+A decode step of the 0.6B shape streams ~1.2 GB of weights through the GEMVs in ~50 ms; the
+rest is ~15 tensor ops per layer, each a few microseconds of Python and dispatch, ~3 ms a step
+for 28 layers. `FusedDecodeRunner` is a step runner that takes decode steps of up to
+`GEMV_MAX_ROWS` tokens and hands the layers to `DecodeLayers` (`csrc/decode_layers.cpp`),
+which runs the reference layer's ops in the reference's order through the same kernels the
+eager step calls: the embedding, the RoPE tables, the final norm and the LM head stay in
+Python, and the hidden states are bit for bit the eager runner's. Every other step (prompt
+chunks, larger batches, drafts to verify) goes to the runners after it.
+
+It takes a model only where every piece of a layer is one the C++ side knows, and says in the
+log why not otherwise: the Llama family's own layers (not a mixture of experts), one rank, a
+KV cache in the model's bf16 attended by the CPU kernel backend, every linear a bf16 GEMV
+(packed or widening method) or an int8 one (row pairs), and the fused layer ops installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+from typing import Any, cast
+
+import torch
+
+from nanoserve.core.layers.linear import Linear
+from nanoserve.core.layers.ops import LayerOps
+from nanoserve.core.model_runner import EagerStepRunner, StepRunner
+from nanoserve.core.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
+from nanoserve.core.step_layout import StepLayout
+from nanoserve.platforms.cpu.attention import CpuKernelAttention
+from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
+from nanoserve.platforms.cpu.linear import GEMV_MAX_ROWS, PackedLinearMethod, WideningLinearMethod
+from nanoserve.quantization.int8 import Int8LinearMethod
+
+logger = logging.getLogger("nanoserve.fused_decode")
+
+ABSENT = torch.empty(0)  # a slot the layer does not have (no bias, no q/k norm, no scales)
+
+
+class NotFusable(Exception):
+    """Why a model's layers cannot go through `DecodeLayers` (said in the log)."""
+
+
+def linear_tensors(layer: Linear) -> list[torch.Tensor]:
+    """(weight, int8 scales, bias) of a linear as the C++ side reads them."""
+    bias = ABSENT if layer.bias is None else layer.bias
+    method = layer.method
+    if isinstance(method, Int8LinearMethod) and method.gemv is not None and layer.int8_paired:
+        return [
+            cast(torch.Tensor, layer.int8_weight),
+            cast(torch.Tensor, layer.int8_gemv_scales),
+            bias,
+        ]
+    is_gemv = isinstance(method, PackedLinearMethod | WideningLinearMethod) and method.gemv
+    if is_gemv and layer.weight is not None:
+        return [layer.weight, ABSENT, bias]
+    raise NotFusable(f"a linear whose decode product is not a GEMV ({type(method).__name__})")
+
+
+def check_ops(*modules: Any) -> None:
+    """The eager layers compute their norms, RoPE and SwiGLU through the fused kernels."""
+    for module in modules:
+        ops: LayerOps = module.ops
+        if not isinstance(ops, FusedCpuOps):
+            raise NotFusable("the fused layer ops are not installed")
+
+
+def layer_tensors(layer: LlamaDecoderLayer, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One decoder layer's tensors in `decode_layers.cpp`'s `Slot` order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+        raise NotFusable(f"a layer of {type(attn).__name__} and {type(mlp).__name__}")
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
+    check_ops(attn, mlp, *norms)
+    if any(norm.weight.dtype != dtype for norm in norms):
+        raise NotFusable("norm weights in another dtype than the activations")
+    cache = attn.attn
+    if cache.k_cache is None or cache.k_cache.dtype != dtype:
+        raise NotFusable("a KV cache in another dtype than the model's (FP8?)")
+    if not isinstance(cache.backend, CpuKernelAttention):
+        raise NotFusable(f"the {type(cache.backend).__name__} attention backend")
+    q_norm = [attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm else [ABSENT, ABSENT]
+    return [
+        layer.input_layernorm.weight,
+        *linear_tensors(attn.qkv_proj),
+        *q_norm,
+        *linear_tensors(attn.o_proj),
+        layer.post_attention_layernorm.weight,
+        *linear_tensors(mlp.gate_up_proj),
+        *linear_tensors(mlp.down_proj),
+        cache.k_cache,
+        cache.v_cache,
+    ]
+
+
+def fused_layers(model: torch.nn.Module, kernels: ModuleType) -> Any:
+    """The model's decoder layers as one `DecodeLayers`; raises NotFusable saying why not."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise NotFusable(f"a {type(model).__name__}")
+    if model.tp.size > 1:
+        raise NotFusable("tensor parallelism (each layer's products end in an all-reduce)")
+    dtype = model.model.embed_tokens.weight.dtype
+    if dtype != torch.bfloat16:
+        raise NotFusable(f"{dtype} activations (the GEMVs take bf16)")
+    layers = cast(list[LlamaDecoderLayer], list(model.model.layers))
+    epsilons = {norm.eps for norm in model.modules() if hasattr(norm, "eps")}
+    if len(epsilons) != 1:
+        raise NotFusable("norms with different epsilons")
+    tensors = [t for layer in layers for t in layer_tensors(layer, dtype)]
+    attn = layers[0].self_attn
+    return kernels.DecodeLayers(
+        tensors, attn.num_heads, attn.num_kv_heads, attn.head_dim, epsilons.pop(), attn.attn.scale
+    )
+
+
+class FusedDecodeRunner(StepRunner):
+    """Decode steps of up to `GEMV_MAX_ROWS` tokens through `DecodeLayers` (module docstring)."""
+
+    name = "cpu-fused-decode"
+
+    def __init__(self, eager: EagerStepRunner, layers: Any) -> None:
+        super().__init__(eager.model)
+        self.eager = eager
+        self.layers = layers
+
+    def can_run(self, layout: StepLayout) -> bool:
+        return (
+            layout.is_decode_only
+            and layout.is_every_row_output
+            and len(layout.input_ids) <= GEMV_MAX_ROWS
+        )
+
+    def run(self, layout: StepLayout) -> torch.Tensor:  # [T, hidden]
+        eager, model = self.eager, cast(LlamaForCausalLM, self.model).model
+        meta = eager.backend.build_metadata(layout, eager.block_size, eager.device)
+        input_ids = torch.tensor(layout.input_ids, dtype=torch.int64)  # [T]
+        positions = torch.tensor(layout.positions, dtype=torch.int64)  # [T]
+        x = model.embed_tokens(input_ids)  # [T, hidden]
+        cos, signed_sin = model.rotary_emb(positions, x.dtype)  # [T, 1, D] each
+        x = self.layers(x, cos, signed_sin, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        return model.norm(x)
+
+
+def fused_decode_runner(eager: StepRunner) -> FusedDecodeRunner | None:
+    """The fused decode runner for the eager runner's model, or None (logged) where the model
+    has a piece `DecodeLayers` does not know."""
+    from nanoserve.platforms.cpu.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None or not isinstance(eager, EagerStepRunner):
+        return None
+    try:
+        layers = fused_layers(eager.model, kernels)
+    except NotFusable as reason:
+        logger.info("decode steps run layer by layer: %s", reason)
+        return None
+    logger.info(
+        "decode steps of up to %d tokens run their %d layers in one call",
+        GEMV_MAX_ROWS,
+        layers.num_layers,
+    )
+    return FusedDecodeRunner(eager, layers)

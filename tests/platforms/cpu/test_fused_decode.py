@@ -1,0 +1,105 @@
+"""The fused CPU decode step (`platforms/cpu/fused_decode.py`) against the eager runner: the same
+logprobs bit for bit, on every architecture, bf16 and int8; and the models it declines."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_checkpoints import ARCHITECTURES, make_tiny_checkpoint
+
+from nanoserve.common.config import EngineConfig
+from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.engine_setup import build_engine
+from nanoserve.platforms.cpu.fused_decode import FusedDecodeRunner
+from nanoserve.platforms.cpu.kernels import load_cpu_kernels
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the CPU kernels")
+
+
+def runner_names(engine) -> list[str]:
+    """The step runners' names, the thread governor's wrapper unwrapped."""
+    names = []
+    for runner in engine.runner.step_runners:
+        names += [r.name for r in getattr(runner, "runners", [runner])]
+    return names
+
+
+def build(checkpoint, **config):
+    settings = {"dtype": "bfloat16", "device": "cpu", "max_model_len": 128} | config
+    return build_engine(EngineConfig(model=str(checkpoint), **settings))
+
+
+def run(engine, prompts: list[list[int]], max_tokens: int = 12) -> dict[str, tuple]:
+    """Greedy tokens and their top-5 logprobs of each prompt, all in one batch."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    results: dict[str, tuple[list, list]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+        results[str(i)] = ([], [])
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            results[delta.request_id][0].extend(delta.new_token_ids)
+            results[delta.request_id][1].extend(delta.logprobs or [])
+    return {key: (tokens, repr(logprobs)) for key, (tokens, logprobs) in results.items()}
+
+
+@pytest.fixture
+def counted_fused_steps(monkeypatch) -> list[int]:
+    """How many tokens each fused step ran (so that a test sees the fused path was taken)."""
+    steps: list[int] = []
+    real_run = FusedDecodeRunner.run
+
+    def counting_run(self, layout):
+        steps.append(len(layout.input_ids))
+        return real_run(self, layout)
+
+    monkeypatch.setattr(FusedDecodeRunner, "run", counting_run)
+    return steps
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_fused_decode_gives_the_eager_runners_logprobs(
+    tmp_path, architecture, quantization, counted_fused_steps
+):
+    checkpoint = make_tiny_checkpoint(tmp_path, architecture)
+    fused = build(checkpoint, quantization=quantization)
+    eager = build(checkpoint, quantization=quantization, enforce_eager=True)
+    assert "cpu-fused-decode" in runner_names(fused)
+    assert "cpu-fused-decode" not in runner_names(eager)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (3, 17, 40, 9, 30, 5)]
+    # One request (one-token GEMVs), four (the most a fused step takes), six (eager steps
+    # until two finish), then prompts that extend cached ones by a token (decode-shaped).
+    batches = [prompts[:1], prompts[:4], prompts, [p + [7] for p in prompts[:3]]]
+    for batch in batches:
+        assert run(fused, batch) == run(eager, batch)
+    assert counted_fused_steps and max(counted_fused_steps) == 4
+    assert 1 in counted_fused_steps
+
+
+def test_larger_steps_and_prompt_chunks_go_to_the_eager_runner(tmp_path, counted_fused_steps):
+    engine = build(make_tiny_checkpoint(tmp_path, "qwen3"))
+    prompts = [[i + 1] * (10 + i) for i in range(6)]
+    run(engine, prompts, max_tokens=3)  # prefill of six, then decode steps of six
+    assert counted_fused_steps == []  # every step had a prompt chunk or more than 4 tokens
+
+
+@pytest.mark.parametrize(
+    ("architecture", "config"),
+    [
+        ("qwen3", {"dtype": "float32"}),  # the GEMVs take bf16
+        ("qwen3", {"kv_cache_dtype": "fp8"}),  # the attention reads an FP8 cache
+        ("qwen3_moe", {}),  # the layers' MLP is a mixture of experts
+    ],
+)
+def test_models_with_a_piece_it_does_not_know_decode_layer_by_layer(
+    tmp_path, architecture, config, caplog
+):
+    with caplog.at_level("INFO", logger="nanoserve.fused_decode"):
+        engine = build(make_tiny_checkpoint(tmp_path, architecture), **config)
+    assert "cpu-fused-decode" not in runner_names(engine)
+    assert "decode steps run layer by layer" in caplog.text
+    tokens, _ = run(engine, [[1, 2, 3]], max_tokens=3)["0"]
+    assert len(tokens) == 3
