@@ -31,6 +31,13 @@ class CountingEngine:
         self.fail_warm_up = fail_warm_up
         self.step_gate: threading.Semaphore | None = None
         self.thread_ids: set[int] = set()  # the threads that called step()
+        self.idle_slices = 0  # slices of idle work left (`idle_work`)
+        self.idle_work_at_steps: list[int] = []  # num_steps at each idle_work call
+
+    def idle_work(self) -> bool:
+        self.idle_work_at_steps.append(self.num_steps)
+        self.idle_slices = max(0, self.idle_slices - 1)
+        return self.idle_slices > 0
 
     def warm_up(self) -> None:
         self.num_warm_ups += 1

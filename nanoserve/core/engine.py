@@ -75,6 +75,7 @@ class Engine:
             self.model_path, self.vocab_size, self.eos_token_ids
         )
         self.speculator = fast_paths.speculator(self.device, self.vocab_size, self.max_model_len)
+        self.idle_work = fast_paths.idle_work  # the worker loop calls it while nothing runs
 
     def _build_runner(
         self, model: CausalLM, fast_paths: FastPaths, tp: TensorParallel | None

@@ -11,6 +11,7 @@ every fast path is tested against (`--enforce-eager` keeps as much of it as the 
     attention_backend  how attention writes and reads the paged cache (`attention/layer.py`)
     kv_cache_budget    how many bytes the KV pool may take (`kv_cache.py`)
     kv_cache_zeros     how the KV pool's zeros are allocated (`kv_cache.py`)
+    idle_work          what the worker does while nothing runs (`worker/loop.py`)
     step_runners       how a step's forward pass is launched (`model_runner.py`): CUDA graphs,
                        compiled decode, tensor-parallel broadcast, then the eager runner
     grammar_backend    structured output (`grammar.py`)
@@ -48,6 +49,9 @@ class FastPaths:
     # `kv_cache_memory`, else up to 2 GiB (`kv_cache.py`).
     kv_cache_budget: Callable[[CausalLM, KVCache, CacheConfig, SchedulerConfig], int] | None = None
     kv_cache_zeros: Zeros = portable_zeros  # the pool's memory, zeroed
+    # A short slice of background work while no request runs; True while more remains (on
+    # CPU: the KV pool's pages faulted in ahead of use). By default, none.
+    idle_work: Callable[[], bool] = lambda: False
     # The runners a step may take, in order of preference, given the eager one (last resort).
     step_runners: Callable[[CausalLM, StepRunner, SchedulerConfig], list[StepRunner]] = (
         lambda model, eager, limits: [eager]

@@ -63,6 +63,9 @@ class ServedEngine(Protocol):
 
     def warm_up(self) -> None: ...
 
+    def idle_work(self) -> bool:
+        """A short slice of background work while nothing runs; True while more remains."""
+
 
 def serve_engine(
     engine: ServedEngine,
@@ -75,16 +78,20 @@ def serve_engine(
     `recv(timeout_s)` returns the next ToWorker message or None (0: do not wait). After a batch
     of messages changed something (a new request, an abort) the engine's stats are sent even
     when no step runs, so the front sees freed KV blocks at once. A step that ran a request
-    recording its timeline carries its `StepRecord`.
+    recording its timeline carries its `StepRecord`. While nothing runs, the engine's idle
+    work goes on a slice at a time, the inbox checked between slices.
     """
     recorder = StepRecorder()
+    has_idle_work = True
     while not should_exit():
         is_idle = not engine.has_unfinished_requests()
         is_changed = False
         while True:
-            message = recv(IDLE_POLL_S if is_idle and not is_changed else 0)
+            is_waiting = is_idle and not is_changed
+            message = recv(IDLE_POLL_S if is_waiting and not has_idle_work else 0)
             if message is None:
-                if is_idle and not is_changed and not should_exit():
+                if is_waiting and not should_exit():
+                    has_idle_work = has_idle_work and engine.idle_work()
                     continue  # nothing to do: keep waiting
                 break
             if isinstance(message, Shutdown):

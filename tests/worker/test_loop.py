@@ -37,12 +37,25 @@ def test_loop_blocks_only_when_idle_and_steps_until_done() -> None:
     engine = CountingEngine()
     add = AddRequest("a", [1, 2], SamplingParams(max_tokens=3), 0.0)
     sent, timeouts = run_loop(engine, [None, add])
-    # idle: waits (IDLE_POLL_S); after a message: drains without waiting; busy: never waits.
-    assert timeouts == [IDLE_POLL_S, IDLE_POLL_S, 0, 0, 0, IDLE_POLL_S]
+    # idle: one look (its idle work is done at once), then waits (IDLE_POLL_S); after a
+    # message: drains without waiting; busy: never waits.
+    assert timeouts == [0, IDLE_POLL_S, 0, 0, 0, IDLE_POLL_S]
     tokens = [d.new_token_ids for m in sent for d in m.deltas]
     assert tokens == [[1], [2], [3]]
     assert sent[-1].deltas[0].finish_reason == FinishReason.LENGTH
     assert engine.num_steps == 3
+
+
+def test_idle_work_goes_on_slice_by_slice_while_nothing_runs() -> None:
+    engine = CountingEngine()
+    engine.idle_slices = 3
+    add = AddRequest("a", [1, 2], SamplingParams(max_tokens=3), 0.0)
+    sent, timeouts = run_loop(engine, [None, add])
+    # A slice before the request, none during its three steps, the other two after it; the
+    # inbox is only looked at (0) between slices, and waited on once they are done.
+    assert engine.idle_work_at_steps == [0, 3, 3]
+    assert timeouts == [0] * 7 + [IDLE_POLL_S]
+    assert [d.new_token_ids for m in sent for d in m.deltas] == [[1], [2], [3]]
 
 
 def test_abort_when_idle_still_reports_stats() -> None:

@@ -3,7 +3,8 @@
     linear methods   bf16 weights packed once for oneDNN, decode steps by our GEMV (`linear.py`)
     layer ops        fused RMSNorm, RoPE and SwiGLU kernels (`fused_ops.py`)
     attention        the reference backend with our paged-decode kernel (`attention.py`)
-    KV pool memory   zeros the OS hands out as pages are first written (`memory.py`)
+    KV pool memory   zeros the OS hands out as pages are first written, faulted in ahead of
+                     use while the worker is idle (`memory.py`)
     step runners     decode steps of a few tokens through every layer in one C++ call
                      (`fused_decode.py`), or with `--compile` under torch.compile
                      (`compiled.py`); every step at the thread count its timing picks
@@ -36,7 +37,7 @@ from nanoserve.platforms.cpu.fused_decode import fused_decode_runner
 from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import install_cpu_linears
-from nanoserve.platforms.cpu.memory import os_zeroed
+from nanoserve.platforms.cpu.memory import KVPoolPages
 from nanoserve.platforms.cpu.threads import GovernedRunner, ThreadGovernor
 
 
@@ -47,6 +48,7 @@ class CpuPaths:
         self.kernels = kernels
         self.compiled = config.use_compiled_decode
         self.fused = kernels is not None and not config.enforce_eager and not self.compiled
+        self.pool_pages = KVPoolPages()
 
     def prepare_model(self, model: CausalLM) -> None:
         """Packed weights for the linears still plain (after any quantization), fused ops."""
@@ -85,6 +87,7 @@ def cpu_fast_paths(config: EngineConfig) -> FastPaths:
     return FastPaths(
         prepare_model=paths.prepare_model,
         attention_backend=paths.attention_backend,
-        kv_cache_zeros=os_zeroed,
+        kv_cache_zeros=paths.pool_pages.zeros,
+        idle_work=paths.pool_pages.fault_in,
         step_runners=paths.step_runners,
     )
