@@ -3,7 +3,7 @@
 A decode step of the 0.6B shape streams ~1.2 GB of weights through the GEMVs in ~50 ms; the
 rest is ~15 tensor ops per layer, each a few microseconds of Python and dispatch, ~3 ms a step
 for 28 layers. `FusedDecodeRunner` is a step runner that takes decode steps of up to
-`GEMV_MAX_ROWS` tokens and hands the layers to `DecodeLayers` (`csrc/decode_layers.cpp`),
+`FUSED_MAX_TOKENS` tokens and hands the layers to `DecodeLayers` (`csrc/decode_layers.cpp`),
 which runs the reference layer's ops in the reference's order through the same kernels the
 eager step calls: the embedding, the RoPE tables, the final norm and the LM head stay in
 Python, and the hidden states are bit for bit the eager runner's. Every other step (prompt
@@ -11,8 +11,9 @@ chunks, larger batches, drafts to verify) goes to the runners after it.
 
 It takes a model only where every piece of a layer is one the C++ side knows, and says in the
 log why not otherwise: the Llama family's own layers (not a mixture of experts), one rank, a
-KV cache in the model's bf16 attended by the CPU kernel backend, every linear a bf16 GEMV
-(packed or widening method) or an int8 one (row pairs), and the fused layer ops installed.
+KV cache in the model's bf16 attended by the CPU kernel backend, every linear packed for
+oneDNN (its decode products by the GEMV up to the tuned size, as `PackedLinearMethod` does),
+widened with the GEMV, or int8 in row pairs, and the fused layer ops installed.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ from nanoserve.core.models.llama import (
 from nanoserve.core.step_layout import StepLayout
 from nanoserve.platforms.cpu.attention import CpuKernelAttention
 from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
-from nanoserve.platforms.cpu.linear import GEMV_MAX_ROWS, PackedLinearMethod, WideningLinearMethod
+from nanoserve.platforms.cpu.linear import GEMV_CALL_ROWS, PackedLinearMethod, WideningLinearMethod
 from nanoserve.quantization.int8 import Int8LinearMethod
 
 logger = logging.getLogger("nanoserve.fused_decode")
 
 ABSENT = torch.empty(0)  # a slot the layer does not have (no bias, no q/k norm, no scales)
+# The most tokens a fused step runs: the GEMVs take up to 8 rows a call, as the eager linear
+# methods call them for steps this small.
+FUSED_MAX_TOKENS = GEMV_CALL_ROWS
 
 
 class NotFusable(Exception):
@@ -48,19 +52,29 @@ class NotFusable(Exception):
 
 
 def linear_tensors(layer: Linear) -> list[torch.Tensor]:
-    """(weight, int8 scales, bias) of a linear as the C++ side reads them."""
+    """(weight, int8 scales, bias, packed weight) of a linear as the C++ side reads them."""
     bias = ABSENT if layer.bias is None else layer.bias
     method = layer.method
     if isinstance(method, Int8LinearMethod) and method.gemv is not None and layer.int8_paired:
-        return [
-            cast(torch.Tensor, layer.int8_weight),
-            cast(torch.Tensor, layer.int8_gemv_scales),
-            bias,
-        ]
-    is_gemv = isinstance(method, PackedLinearMethod | WideningLinearMethod) and method.gemv
-    if is_gemv and layer.weight is not None:
-        return [layer.weight, ABSENT, bias]
-    raise NotFusable(f"a linear whose decode product is not a GEMV ({type(method).__name__})")
+        weight = cast(torch.Tensor, layer.int8_weight)
+        return [weight, cast(torch.Tensor, layer.int8_gemv_scales), bias, ABSENT]
+    if isinstance(method, PackedLinearMethod) and layer.packed_weight is not None:
+        plain = layer.weight if method.gemv is not None else None
+        packed = cast(torch.Tensor, layer.packed_weight)
+        return [ABSENT if plain is None else plain, ABSENT, bias, packed]
+    if isinstance(method, WideningLinearMethod) and method.gemv and layer.weight is not None:
+        return [layer.weight, ABSENT, bias, ABSENT]
+    raise NotFusable(f"a linear whose decode product is not ours ({type(method).__name__})")
+
+
+def gemv_rows(model: torch.nn.Module) -> int:
+    """Up to how many tokens the packed linears' decode products are GEMVs (one method: one
+    number for every layer)."""
+    methods = {m.method for m in model.modules() if isinstance(m, Linear)}
+    rows = {m.gemv_max_rows for m in methods if isinstance(m, PackedLinearMethod)}
+    if len(rows) > 1:
+        raise NotFusable("packed linears with different GEMV sizes")
+    return rows.pop() if rows else 0
 
 
 def check_ops(*modules: Any) -> None:
@@ -115,13 +129,13 @@ def fused_layers(model: torch.nn.Module, kernels: ModuleType) -> Any:
         raise NotFusable("norms with different epsilons")
     tensors = [t for layer in layers for t in layer_tensors(layer, dtype)]
     attn = layers[0].self_attn
-    return kernels.DecodeLayers(
-        tensors, attn.num_heads, attn.num_kv_heads, attn.head_dim, epsilons.pop(), attn.attn.scale
-    )
+    eps, scale = epsilons.pop(), attn.attn.scale
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    return kernels.DecodeLayers(tensors, *heads, eps, scale, gemv_rows(model))
 
 
 class FusedDecodeRunner(StepRunner):
-    """Decode steps of up to `GEMV_MAX_ROWS` tokens through `DecodeLayers` (module docstring)."""
+    """Decode steps of up to `FUSED_MAX_TOKENS` tokens through `DecodeLayers` (see above)."""
 
     name = "cpu-fused-decode"
 
@@ -134,7 +148,7 @@ class FusedDecodeRunner(StepRunner):
         return (
             layout.is_decode_only
             and layout.is_every_row_output
-            and len(layout.input_ids) <= GEMV_MAX_ROWS
+            and len(layout.input_ids) <= FUSED_MAX_TOKENS
         )
 
     def run(self, layout: StepLayout) -> torch.Tensor:  # [T, hidden]
@@ -163,7 +177,7 @@ def fused_decode_runner(eager: StepRunner) -> FusedDecodeRunner | None:
         return None
     logger.info(
         "decode steps of up to %d tokens run their %d layers in one call",
-        GEMV_MAX_ROWS,
+        FUSED_MAX_TOKENS,
         layers.num_layers,
     )
     return FusedDecodeRunner(eager, layers)

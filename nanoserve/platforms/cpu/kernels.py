@@ -16,7 +16,9 @@ than their arithmetic (and PyTorch's int8 kernel converts more slowly than memor
 
 `scripts/install.sh` builds them (`python -m nanoserve.platforms.cpu.kernels`): torch's
 extension builder compiles the sources with the host's C++ compiler for this CPU
-(`-march=native`, about a minute), then the GEMVs' prefetch distance is timed. The result lives
+(`-march=native`, about a minute), then the GEMVs' prefetch distance is timed, and up to how
+many tokens the bf16 GEMV beats oneDNN's packed product (`gemv_max_rows`, an attribute of the
+loaded module: on CPUs with AMX, oneDNN's product is as fast from one token up). The result lives
 in the install's own folder (`build_directory`: under `sys.prefix`, named after this CPU's
 instruction sets and a hash of what the library is built from), so two virtual environments
 never share, rebuild or lock each other's build, and every start imports it in a fraction of a
@@ -74,6 +76,11 @@ RECORD = "built.json"
 # each streaming int8 and bf16 matrices of TUNING_BYTES (more than most CPUs' L3).
 PREFETCH_CANDIDATES = (0, 4096)
 TUNING_BYTES = 128 << 20
+GEMV_MAX_CALL_ROWS = 8  # the most rows one bf16_gemv call takes
+# One decoder layer's weights ([out, in]: qkv, o, gate_up, down of the Qwen3-0.6B shape), the
+# products the GEMV and oneDNN are timed on.
+TUNING_LAYER = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+GEMV_MARGIN = 0.10  # how much faster the GEMV must be to be worth a second copy of the weights
 TUNING_ROW = 1024
 
 Build = Callable[[Path], ModuleType]
@@ -153,6 +160,7 @@ def load_built(directory: Path) -> ModuleType | None:
         record = json.loads(record_path.read_text())
         module = import_library(record["module"], directory / record["library"])
         module.set_gemv_prefetch(record["gemv_prefetch"])
+        module.gemv_max_rows = int(record["gemv_max_rows"])  # type: ignore[attr-defined]
     except (OSError, ImportError, ValueError, KeyError, AttributeError) as error:
         logger.warning("the CPU kernels built in %s do not load (%s)", directory, error)
         return None
@@ -205,6 +213,7 @@ def build_and_record(directory: Path, build: Build) -> ModuleType:
         "module": module.__name__,
         "library": str(Path(str(module.__file__)).relative_to(directory)),
         "gemv_prefetch": tune_gemv_prefetch(module),
+        "gemv_max_rows": tune_gemv_rows(module),
         "build_s": round(build_s, 1),
     }
     unfinished = directory / f"{RECORD}.tmp"
@@ -275,6 +284,76 @@ def tune_gemv_prefetch(module: ModuleType, rounds: int = 3) -> int:
     timings = ", ".join(f"{b}: {s * 1e3:.1f} ms" for b, s in best.items())
     logger.info("GEMV prefetch: %d bytes ahead (%s)", chosen, timings)
     return chosen
+
+
+def tune_gemv_rows(module: ModuleType, rounds: int = 3) -> int:
+    """The most tokens (up to GEMV_MAX_CALL_ROWS) for which the bf16 GEMV multiplies by a
+    layer's weights at least GEMV_MARGIN faster than oneDNN's packed product does on this CPU
+    (0: at no size; then no linear keeps its plain weight beside the packed one). Timed on
+    TUNING_LAYER's shapes, repeated past the last-level cache (a model's weights do not fit
+    in it: what comes from memory is what counts); where oneDNN cannot pack bf16,
+    GEMV_MAX_CALL_ROWS. Sets and returns it."""
+    copies = max(1, past_the_caches() // (2 * sum(n * k for n, k in TUNING_LAYER)))
+    weights = [torch.ones(n, k, dtype=torch.bfloat16) for n, k in TUNING_LAYER * copies]
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+    except (RuntimeError, AttributeError):  # no bf16 packing here (AVX2 only)
+        module.gemv_max_rows = GEMV_MAX_CALL_ROWS  # type: ignore[attr-defined]
+        return GEMV_MAX_CALL_ROWS
+    best: dict[tuple[str, int], float] = {}
+    for _ in range(rounds):
+        for num_rows in range(1, GEMV_MAX_CALL_ROWS + 1):
+            for how in ("gemv", "packed"):
+                seconds = time_products(module, how, num_rows, weights, packed)
+                best[how, num_rows] = min(best.get((how, num_rows), seconds), seconds)
+    chosen = 0
+    while chosen < GEMV_MAX_CALL_ROWS and (
+        best["gemv", chosen + 1] < (1 - GEMV_MARGIN) * best["packed", chosen + 1]
+    ):
+        chosen += 1
+    timings = ", ".join(
+        f"{n}: {best['gemv', n] * 1e3:.1f}/{best['packed', n] * 1e3:.1f} ms"
+        for n in range(1, GEMV_MAX_CALL_ROWS + 1)
+    )
+    logger.info("decode products of up to %d tokens by the GEMV (GEMV/oneDNN: %s)", chosen, timings)
+    module.gemv_max_rows = chosen  # type: ignore[attr-defined]
+    return chosen
+
+
+def past_the_caches() -> int:
+    """Bytes of weights that stream from memory, not the last-level cache: twice its size (as
+    this machine reports it), at least TUNING_BYTES, at most 1 GiB."""
+    return min(max(TUNING_BYTES, 2 * last_level_cache_bytes()), 1 << 30)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache Linux lists for CPU 0 (sysfs sizes read "32K", "480M"); 0 if none."""
+    sizes = [0]
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        with contextlib.suppress(OSError, ValueError):
+            text = (index / "size").read_text().strip()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes)
+
+
+def time_products(
+    module: ModuleType,
+    how: str,
+    num_rows: int,
+    weights: list[torch.Tensor],
+    packed: list[torch.Tensor],
+) -> float:
+    """Seconds to multiply `num_rows` tokens by every weight, by the GEMV or the packed one."""
+    inputs = {w.shape[1]: torch.ones(num_rows, w.shape[1], dtype=torch.bfloat16) for w in weights}
+    started = time.perf_counter()
+    for weight, packed_weight in zip(weights, packed, strict=True):
+        x = inputs[weight.shape[1]]
+        if how == "gemv":
+            module.bf16_gemv(x, weight)
+        else:
+            torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+    return time.perf_counter() - started
 
 
 def main() -> int:

@@ -4,12 +4,14 @@
 once at start-up (what inductor's freezing pass does, and vLLM's CPU backend) makes every product
 cheaper at every batch size, with bit-identical results (benchmarks/RESULTS.md, "Packed weights").
 
-Decode steps of up to `GEMV_MAX_ROWS` tokens are bound by how fast the weights stream from
-memory, and oneDNN's product streams them slower than our compiled GEMV (`csrc/gemv.cpp`, see
-`cpu_kernels`) streams the plain weight. Where that kernel is built, each layer keeps its plain
-weight beside the packed one: decode steps read the plain one, prefills and larger batches the
-packed one (so the linear weights take twice their memory; a tied LM head's plain weight is the
-embedding's, which lives on anyway).
+Decode steps of a few tokens are bound by how fast the weights stream from memory. On some
+CPUs oneDNN's product streams them slower than our compiled GEMV (`csrc/gemv.cpp`, see
+`cpu_kernels`) streams the plain weight; on others (those with AMX) it is as fast from one
+token up. The kernels' build times both (`gemv_max_rows`: up to how many tokens the GEMV is
+faster). Where it is, each layer keeps its plain weight beside the packed one: decode steps of
+up to that many tokens read the plain one, prefills and larger batches the packed one (so the
+linear weights take twice their memory; a tied LM head's plain weight is the embedding's, which
+lives on anyway). Where it is not, only the packed weight is kept.
 
 The packed weight is an opaque MKLDNN tensor; `torch.ops.mkldnn._linear_pointwise` multiplies
 by it. Under torch.compile it is called through the `nanoserve::packed_linear` custom op, so that
@@ -41,9 +43,6 @@ logger = logging.getLogger("nanoserve.cpu_linear")
 
 # The batch size oneDNN tunes the blocked layout for; any number of rows works with it.
 PACKING_BATCH_HINT = 8
-# Most tokens a product streams the plain weight for (the compiled GEMV): beyond this oneDNN's
-# packed product is as fast (benchmarks/RESULTS.md, "A bf16 GEMV").
-GEMV_MAX_ROWS = 4
 
 Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ([T, in], [out, in]) -> [T, out]
 
@@ -116,12 +115,16 @@ def one_token_linear(
 class PackedLinearMethod(LinearMethod):
     """oneDNN-packed bf16 weights (`layer.packed_weight`); the plain one only if kept.
 
-    `gemv` is the compiled decode GEMV (None: every eager product is the packed one).
+    `gemv` is the compiled decode GEMV, for products of 1 to `gemv_max_rows` tokens (None or 0:
+    every eager product is the packed one).
     """
 
-    def __init__(self, keep_plain_weight: bool, gemv: Gemv | None = None) -> None:
-        self.keep_plain_weight = keep_plain_weight or gemv is not None
-        self.gemv = gemv
+    def __init__(
+        self, keep_plain_weight: bool, gemv: Gemv | None = None, gemv_max_rows: int = 0
+    ) -> None:
+        self.gemv = gemv if gemv_max_rows > 0 else None
+        self.gemv_max_rows = gemv_max_rows if gemv is not None else 0
+        self.keep_plain_weight = keep_plain_weight or self.gemv is not None
 
     def process_weights(self, layer: Linear) -> None:
         """Pack the weight; drop the plain one unless kept (a tied weight lives on elsewhere)."""
@@ -133,7 +136,7 @@ class PackedLinearMethod(LinearMethod):
         if torch.compiler.is_compiling():
             if x.shape[0] == 1 and layer.weight is not None:
                 return one_token_linear(x, layer.weight, layer.bias)
-        elif self.gemv is not None and 1 <= x.shape[0] <= GEMV_MAX_ROWS:
+        elif self.gemv is not None and 1 <= x.shape[0] <= self.gemv_max_rows:
             out = self.gemv(x, layer.weight)
             return out if layer.bias is None else out + layer.bias
         return packed_linear(x, cast(torch.Tensor, layer.packed_weight), layer.bias)
@@ -167,6 +170,12 @@ def decode_gemv() -> Gemv | None:
     return cast(Gemv, kernels.bf16_gemv)
 
 
+def tuned_gemv_rows() -> int:
+    """Up to how many tokens the GEMV beats oneDNN's packed product here (timed at build)."""
+    kernels = load_cpu_kernels()
+    return 0 if kernels is None else int(kernels.gemv_max_rows)
+
+
 def install_cpu_linears(model: nn.Module, keep_plain_weights: bool) -> int:
     """Give every plain bf16 Linear of `model` the CPU's method: packed weights where oneDNN
     packs them here, else widened products. Returns how many layers changed."""
@@ -177,7 +186,7 @@ def install_cpu_linears(model: nn.Module, keep_plain_weights: bool) -> int:
     gemv = decode_gemv()
     method: LinearMethod
     if packing_works():
-        method = PackedLinearMethod(keep_plain_weights, gemv)
+        method = PackedLinearMethod(keep_plain_weights, gemv, tuned_gemv_rows())
         how = "packed for oneDNN"
     else:
         method = WideningLinearMethod(gemv)
@@ -185,14 +194,18 @@ def install_cpu_linears(model: nn.Module, keep_plain_weights: bool) -> int:
     for layer in bf16:
         layer.method = method
         method.process_weights(layer)
-    logger.info(
-        "%d of %d linear weights %s; decode steps by %s",
-        len(bf16),
-        len(layers),
-        how,
-        "the compiled GEMV" if gemv else "the packed product" if packing_works() else "F.linear",
-    )
+    logger.info("%d of %d linear weights %s; %s", len(bf16), len(layers), how, decode_how(method))
     return len(bf16)
+
+
+def decode_how(method: LinearMethod) -> str:
+    """What a decode step's products run on, for the log."""
+    if isinstance(method, PackedLinearMethod):
+        if method.gemv is None:
+            return "every product by the packed one (as fast as the GEMV here)"
+        return f"products of up to {method.gemv_max_rows} tokens by the compiled GEMV"
+    gemv = isinstance(method, WideningLinearMethod) and method.gemv is not None
+    return "decode steps by the compiled GEMV" if gemv else "decode steps by F.linear"
 
 
 @torch.library.custom_op("nanoserve::packed_linear", mutates_args=())

@@ -11,7 +11,8 @@ from tiny_checkpoints import ARCHITECTURES, make_tiny_checkpoint
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.engine_setup import build_engine
-from nanoserve.platforms.cpu.fused_decode import FusedDecodeRunner
+from nanoserve.platforms.cpu import linear as cpu_linear
+from nanoserve.platforms.cpu.fused_decode import FUSED_MAX_TOKENS, FusedDecodeRunner
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the CPU kernels")
@@ -31,10 +32,13 @@ def build(checkpoint, **config):
 
 
 def run(engine, prompts: list[list[int]], max_tokens: int = 12) -> dict[str, tuple]:
-    """Greedy tokens and their top-5 logprobs of each prompt, all in one batch."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    """Greedy tokens and their top-5 logprobs of each prompt, all in one batch; the i-th prompt
+    runs for max_tokens + i tokens (so the batch shrinks a request at a time)."""
     results: dict[str, tuple[list, list]] = {}
     for i, prompt in enumerate(prompts):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens + i, ignore_eos=True, logprobs=5
+        )
         engine.add_request(str(i), prompt, params)
         results[str(i)] = ([], [])
     while engine.has_unfinished_requests():
@@ -58,32 +62,39 @@ def counted_fused_steps(monkeypatch) -> list[int]:
     return steps
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize(
+    ("quantization", "gemv_rows"),
+    [(None, 0), (None, 3), ("int8", 0)],  # bf16 packed (GEMV for none, or up to 3 tokens), int8
+)
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_fused_decode_gives_the_eager_runners_logprobs(
-    tmp_path, architecture, quantization, counted_fused_steps
+    tmp_path, monkeypatch, architecture, quantization, gemv_rows, counted_fused_steps
 ):
+    # Whatever this machine's build timed, both ways of a packed linear's decode product.
+    monkeypatch.setattr(cpu_linear, "tuned_gemv_rows", lambda: gemv_rows)
     checkpoint = make_tiny_checkpoint(tmp_path, architecture)
     fused = build(checkpoint, quantization=quantization)
     eager = build(checkpoint, quantization=quantization, enforce_eager=True)
     assert "cpu-fused-decode" in runner_names(fused)
     assert "cpu-fused-decode" not in runner_names(eager)
     rng = random.Random(0)
-    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (3, 17, 40, 9, 30, 5)]
-    # One request (one-token GEMVs), four (the most a fused step takes), six (eager steps
-    # until two finish), then prompts that extend cached ones by a token (decode-shaped).
+    lengths = (3, 17, 40, 9, 30, 5, 12, 2, 21, 8)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in lengths]
+    # One request, four, ten (eager decode steps until two finish, then fused ones of 8, 7,
+    # ... 1), then prompts that extend cached ones by a token (decode-shaped).
     batches = [prompts[:1], prompts[:4], prompts, [p + [7] for p in prompts[:3]]]
     for batch in batches:
         assert run(fused, batch) == run(eager, batch)
-    assert counted_fused_steps and max(counted_fused_steps) == 4
-    assert 1 in counted_fused_steps
+    assert set(counted_fused_steps) == set(range(1, FUSED_MAX_TOKENS + 1))
 
 
 def test_larger_steps_and_prompt_chunks_go_to_the_eager_runner(tmp_path, counted_fused_steps):
     engine = build(make_tiny_checkpoint(tmp_path, "qwen3"))
-    prompts = [[i + 1] * (10 + i) for i in range(6)]
-    run(engine, prompts, max_tokens=3)  # prefill of six, then decode steps of six
-    assert counted_fused_steps == []  # every step had a prompt chunk or more than 4 tokens
+    prompts = [[i + 1] * (10 + i) for i in range(FUSED_MAX_TOKENS + 1)]
+    # Nine prefills (eager), a decode step of all nine (eager: one more than a fused step
+    # takes), then steps of 8, 7, ... 1 as the requests finish one by one.
+    run(engine, prompts, max_tokens=2)
+    assert counted_fused_steps == list(range(FUSED_MAX_TOKENS, 0, -1))
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,7 @@ def timed_prefetch(monkeypatch) -> list[int]:
         return 4096
 
     monkeypatch.setattr(cpu_kernels, "tune_gemv_prefetch", tune)
+    monkeypatch.setattr(cpu_kernels, "tune_gemv_rows", lambda module: 2)
     return timings
 
 
@@ -123,6 +124,8 @@ def test_the_kernels_are_the_installs_own_build_and_expose_every_op():
         assert callable(getattr(kernels, op))
     record = json.loads((directory / RECORD).read_text())
     assert record["gemv_prefetch"] in cpu_kernels.PREFETCH_CANDIDATES  # timed at build
+    assert 0 <= record["gemv_max_rows"] <= cpu_kernels.GEMV_MAX_CALL_ROWS  # timed at build too
+    assert kernels.gemv_max_rows == record["gemv_max_rows"]
 
     def no_build(build_dir: Path) -> ModuleType:
         raise AssertionError("a finished build was compiled again")
@@ -262,3 +265,34 @@ def test_the_gemv_prefetch_distance_is_the_fastest_candidate(monkeypatch):
             assert sorted(timed) == sorted(2 * list(cpu_kernels.PREFETCH_CANDIDATES))
     finally:
         kernels.set_gemv_prefetch(chosen)
+
+
+@pytest.mark.parametrize("gemv_wins_up_to", [0, 3, cpu_kernels.GEMV_MAX_CALL_ROWS])
+def test_the_gemv_takes_the_sizes_where_it_beats_onednn_by_the_margin(monkeypatch, gemv_wins_up_to):
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    tuned = kernels.gemv_max_rows
+    monkeypatch.setattr(cpu_kernels, "past_the_caches", lambda: 4 << 20)
+    real = cpu_kernels.time_products
+    seen: list[tuple[str, int]] = []
+
+    def timing(module, how, num_rows, weights, packed):
+        real(module, how, num_rows, weights, packed)  # both products run on the weights
+        seen.append((how, num_rows))
+        if how == "packed":
+            return 1.0
+        return 0.85 if num_rows <= gemv_wins_up_to else 0.95  # 15% faster, then only 5%
+
+    monkeypatch.setattr(cpu_kernels, "time_products", timing)
+    try:
+        assert cpu_kernels.tune_gemv_rows(kernels, rounds=1) == gemv_wins_up_to
+        assert kernels.gemv_max_rows == gemv_wins_up_to
+        sizes = range(1, cpu_kernels.GEMV_MAX_CALL_ROWS + 1)
+        assert sorted(seen) == sorted((how, n) for how in ("gemv", "packed") for n in sizes)
+    finally:
+        kernels.gemv_max_rows = tuned
+
+
+def test_the_last_level_cache_is_read_from_sysfs():
+    assert cpu_kernels.last_level_cache_bytes() >= 0
+    assert cpu_kernels.TUNING_BYTES <= cpu_kernels.past_the_caches() <= 1 << 30

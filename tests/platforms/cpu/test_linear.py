@@ -18,7 +18,6 @@ from nanoserve.core.layers.linear import DENSE, Linear
 from nanoserve.platforms.cpu import linear as cpu_linear
 from nanoserve.platforms.cpu.linear import (
     GEMV_CALL_ROWS,
-    GEMV_MAX_ROWS,
     WIDEN_MIN_ROWS,
     PackedLinearMethod,
     WideningLinearMethod,
@@ -26,7 +25,10 @@ from nanoserve.platforms.cpu.linear import (
     install_cpu_linears,
     one_token_linear,
     packing_works,
+    tuned_gemv_rows,
 )
+
+GEMV_ROWS = 4  # what the tests below give PackedLinearMethod (machines tune their own)
 
 needs_packing = pytest.mark.skipif(
     not packing_works(), reason="this CPU's oneDNN cannot pack bf16 weights (needs AVX-512)"
@@ -77,19 +79,34 @@ def test_this_machine_has_the_decode_gemv():
 @pytest.mark.parametrize("bias", [False, True])
 def test_decode_steps_stream_the_plain_weight_through_the_gemv(bias):
     layer, weight, bias_values = _linear(bias)
-    install_cpu_linears(layer, keep_plain_weights=False)
-    assert layer.method.gemv is not None
+    gemv, rows_seen = decode_gemv(), []
+    assert gemv is not None
+    method = PackedLinearMethod(
+        False, lambda x, w: rows_seen.append(len(x)) or gemv(x, w), GEMV_ROWS
+    )
+    layer.method = method
+    method.process_weights(layer)
     assert layer.weight is not None and layer.packed_weight is not None  # both kept
-    gemv, rows_seen = layer.method.gemv, []
-    layer.method.gemv = lambda x, w: rows_seen.append(len(x)) or gemv(x, w)
-    for num_tokens in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 17):
+    for num_tokens in (1, GEMV_ROWS, GEMV_ROWS + 1, 17):
         x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
         expected = F.linear(x, weight, bias_values)
-        if num_tokens <= GEMV_MAX_ROWS:  # float32 sums in another order, one bf16 rounding
+        if num_tokens <= GEMV_ROWS:  # float32 sums in another order, one bf16 rounding
             torch.testing.assert_close(layer(x), expected, atol=1e-3, rtol=2**-7)
         else:  # the packed product, bit for bit
             assert torch.equal(layer(x), expected)
-    assert rows_seen == [1, GEMV_MAX_ROWS]
+    assert rows_seen == [1, GEMV_ROWS]
+
+
+@needs_packing
+def test_where_the_gemv_wins_at_no_size_only_the_packed_weight_is_kept():
+    layer, weight, _ = _linear(bias=True)
+    method = PackedLinearMethod(False, decode_gemv(), gemv_max_rows=0)
+    layer.method = method
+    method.process_weights(layer)
+    assert method.gemv is None and layer.weight is None  # one copy of the weights
+    for num_tokens in (1, 5):
+        x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, weight, layer.bias))
 
 
 @needs_packing
@@ -134,20 +151,26 @@ def test_engine_packs_bf16_weights_and_generates_the_same_tokens(
     assert [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)] == packed
 
 
-def test_engine_decodes_through_the_gemv_and_keeps_the_plain_weights(tmp_path):
+def test_engine_decodes_through_the_gemv_where_it_is_faster_here(tmp_path):
+    """Packed: the GEMV takes products of up to the size the build timed it faster (keeping
+    the plain weights for them), or none; widened: every product under 32 tokens."""
     checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
-    llm = LLM(checkpoint, dtype="bfloat16")
+    llm = LLM(checkpoint, dtype="bfloat16", enforce_eager=True)  # the linears, layer by layer
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
-    assert all(m.method.gemv is not None and m.weight is not None for m in linears)
     assert all(isinstance(m.method, PackedLinearMethod) == packing_works() for m in linears)
-    gemv, rows_seen = linears[0].method.gemv, []
-    linears[0].method.gemv = lambda x, w: rows_seen.append(len(x)) or gemv(x, w)
+    most_rows = tuned_gemv_rows() if packing_works() else GEMV_CALL_ROWS
+    assert all((m.method.gemv is not None) == (most_rows > 0) for m in linears)
+    assert all((m.weight is not None) == (most_rows > 0) for m in linears)
+    rows_seen: list[int] = []
+    if most_rows > 0:
+        gemv = linears[0].method.gemv
+        linears[0].method.gemv = lambda x, w: rows_seen.append(len(x)) or gemv(x, w)
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
     outputs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], params)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6]
-    assert 2 in rows_seen  # the decode steps of both requests
-    # packed: decode steps only (prefills by oneDNN); widened: any product under 32 tokens too
-    assert max(rows_seen) <= (GEMV_MAX_ROWS if packing_works() else GEMV_CALL_ROWS)
+    if most_rows > 0:
+        assert min(most_rows, 2) in rows_seen  # decode steps
+        assert max(rows_seen) <= most_rows
 
 
 @needs_packing

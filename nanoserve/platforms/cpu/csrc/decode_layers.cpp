@@ -9,8 +9,11 @@
 // Python is left out. It holds no GIL while it runs.
 //
 // Each layer is SLOTS tensors, in the order of `Slot` below; an absent one (no bias, no q/k
-// norm, no int8 scales) is an empty tensor. A linear with scales is int8 (row pairs, as
-// int8_gemv takes them), without them bf16.
+// norm, no int8 scales) is an empty tensor. A linear is (weight, scales, bias, packed): with
+// scales it is int8 (row pairs, as int8_gemv takes them); else a step of up to gemv_max_rows
+// tokens streams the plain bf16 weight through bf16_gemv, and a larger one (or one whose
+// plain weight was not kept) multiplies by oneDNN's packed weight, as PackedLinearMethod does.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
 #include <vector>
@@ -29,25 +32,45 @@ namespace {
 
 enum Slot {
   INPUT_NORM,  // [hidden]
-  QKV_WEIGHT, QKV_SCALES, QKV_BIAS,  // [(H + 2 Hkv) D, hidden] (int8: row pairs), [.], [.]
+  // [(H + 2 Hkv) D, hidden] (int8: row pairs), scales [.], bias [.], oneDNN's packed weight
+  QKV_WEIGHT, QKV_SCALES, QKV_BIAS, QKV_PACKED,
   Q_NORM, K_NORM,  // [D] each (Qwen3), or absent
-  O_WEIGHT, O_SCALES, O_BIAS,  // [hidden, H D]
+  O_WEIGHT, O_SCALES, O_BIAS, O_PACKED,  // [hidden, H D]
   POST_NORM,  // [hidden]
-  GATE_UP_WEIGHT, GATE_UP_SCALES, GATE_UP_BIAS,  // [2 I, hidden]
-  DOWN_WEIGHT, DOWN_SCALES, DOWN_BIAS,  // [hidden, I]
+  GATE_UP_WEIGHT, GATE_UP_SCALES, GATE_UP_BIAS, GATE_UP_PACKED,  // [2 I, hidden]
+  DOWN_WEIGHT, DOWN_SCALES, DOWN_BIAS, DOWN_PACKED,  // [hidden, I]
   K_CACHE, V_CACHE,  // [num_blocks, block_size, Hkv, D]
   SLOTS
 };
 
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
+// x [T, in] @ packed.T + bias, by oneDNN: torch.ops.mkldnn._linear_pointwise, as
+// PackedLinearMethod calls it from Python.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, present(bias) ? c10::IValue(bias) : c10::IValue(),
+                          std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          std::string("")};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
 // x [T, in] @ weight.T (+ bias) -> [T, out]: what the layer's linear method does for a decode
-// step (the int8 GEMV where the layer has scales, else the bf16 one; the bias added after).
-at::Tensor linear(const at::Tensor& x, const at::Tensor* layer, Slot weight) {
-  const at::Tensor& scales = layer[weight + 1];
-  const at::Tensor& bias = layer[weight + 2];
-  at::Tensor out = present(scales) ? int8_gemv(x, layer[weight], scales)
-                                   : bf16_gemv(x, layer[weight]);
+// step of T tokens (see the top of the file; a GEMV's bias is added after it).
+at::Tensor apply_linear(const at::Tensor& x, const at::Tensor* layer, Slot slot,
+                        int64_t gemv_max_rows) {
+  const at::Tensor &weight = layer[slot], &scales = layer[slot + 1], &bias = layer[slot + 2];
+  const at::Tensor& packed = layer[slot + 3];
+  at::Tensor out;
+  if (present(scales)) {
+    out = int8_gemv(x, weight, scales);
+  } else if (present(packed) && !(present(weight) && x.size(0) <= gemv_max_rows)) {
+    return packed_linear(x, packed, bias);
+  } else {
+    out = bf16_gemv(x, weight);
+  }
   return present(bias) ? out + bias : out;
 }
 
@@ -66,9 +89,9 @@ struct StepInputs {
 class DecodeLayers {
  public:
   DecodeLayers(std::vector<at::Tensor> tensors, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_dim, double eps, double scale)
+               int64_t head_dim, double eps, double scale, int64_t gemv_max_rows)
       : tensors_(std::move(tensors)), H_(num_heads), Hkv_(num_kv_heads), D_(head_dim),
-        eps_(eps), scale_(scale) {
+        eps_(eps), scale_(scale), gemv_max_rows_(gemv_max_rows) {
     TORCH_CHECK(!tensors_.empty() && tensors_.size() % SLOTS == 0, "SLOTS tensors per layer");
   }
 
@@ -84,6 +107,10 @@ class DecodeLayers {
   }
 
  private:
+  at::Tensor linear(const at::Tensor& x, const at::Tensor* t, Slot slot) const {
+    return apply_linear(x, t, slot, gemv_max_rows_);
+  }
+
   // LlamaDecoderLayer.forward: attention then MLP, each added to the residual stream.
   at::Tensor layer(const at::Tensor& x, const at::Tensor* t, const StepInputs& step) const {
     const at::Tensor h = x + attention(rms_norm(x, t[INPUT_NORM], eps_), t, step);
@@ -117,13 +144,16 @@ class DecodeLayers {
   std::vector<at::Tensor> tensors_;
   int64_t H_, Hkv_, D_;
   double eps_, scale_;
+  int64_t gemv_max_rows_;  // the most tokens a bf16 linear with a packed weight streams
 };
 
 void bind_decode_layers(pybind11::module& m) {
   pybind11::class_<DecodeLayers>(m, "DecodeLayers",
                                  "every decoder layer of a Llama-family model, for decode steps")
-      .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double>(),
-           "(tensors: SLOTS per layer, num_heads, num_kv_heads, head_dim, eps, scale)")
+      .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double,
+                          int64_t>(),
+           "(tensors: SLOTS per layer, num_heads, num_kv_heads, head_dim, eps, scale, "
+           "gemv_max_rows)")
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       .def_property_readonly_static("slots", [](pybind11::object) { return int64_t{SLOTS}; })
       .def("__call__", &DecodeLayers::forward,
