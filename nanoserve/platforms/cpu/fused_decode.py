@@ -2,8 +2,9 @@
 
 A decode step of the 0.6B shape streams ~1.2 GB of weights through the GEMVs in ~50 ms; the
 rest is ~15 tensor ops per layer, each a few microseconds of Python and dispatch, ~3 ms a step
-for 28 layers. `FusedDecodeRunner` is a step runner that takes decode steps of up to
-`FUSED_MAX_TOKENS` tokens and hands the layers to `DecodeLayers` (`csrc/decode_layers.cpp`),
+for 28 layers. `FusedDecodeRunner` is a step runner that takes decode steps (of up to
+`GEMV_STEP_TOKENS` tokens where a linear's decode product is a GEMV: int8, or bf16 on a CPU
+whose oneDNN cannot pack it) and hands the layers to `DecodeLayers` (`csrc/decode_layers.cpp`),
 which runs the reference layer's ops in the reference's order through the same kernels the
 eager step calls: the embedding, the RoPE tables, the final norm and the LM head stay in
 Python, and the hidden states are bit for bit the eager runner's. Every other step (prompt
@@ -42,9 +43,9 @@ from nanoserve.quantization.int8 import Int8LinearMethod
 logger = logging.getLogger("nanoserve.fused_decode")
 
 ABSENT = torch.empty(0)  # a slot the layer does not have (no bias, no q/k norm, no scales)
-# The most tokens a fused step runs: the GEMVs take up to 8 rows a call, as the eager linear
-# methods call them for steps this small.
-FUSED_MAX_TOKENS = GEMV_CALL_ROWS
+# The most tokens a fused step runs where a linear always streams through a GEMV (int8, or
+# widened bf16): the GEMVs take up to 8 rows a call, as the eager methods call them.
+GEMV_STEP_TOKENS = GEMV_CALL_ROWS
 
 
 class NotFusable(Exception):
@@ -65,6 +66,15 @@ def linear_tensors(layer: Linear) -> list[torch.Tensor]:
     if isinstance(method, WideningLinearMethod) and method.gemv and layer.weight is not None:
         return [layer.weight, ABSENT, bias, ABSENT]
     raise NotFusable(f"a linear whose decode product is not ours ({type(method).__name__})")
+
+
+def most_tokens(model: torch.nn.Module) -> int | None:
+    """The most tokens a fused step may run: GEMV_STEP_TOKENS where some linear is not packed
+    (its product is a GEMV whatever the size), else no limit (oneDNN takes any size)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    if all(isinstance(m.method, PackedLinearMethod) for m in linears):
+        return None
+    return GEMV_STEP_TOKENS
 
 
 def gemv_rows(model: torch.nn.Module) -> int:
@@ -135,20 +145,21 @@ def fused_layers(model: torch.nn.Module, kernels: ModuleType) -> Any:
 
 
 class FusedDecodeRunner(StepRunner):
-    """Decode steps of up to `FUSED_MAX_TOKENS` tokens through `DecodeLayers` (see above)."""
+    """Decode steps (of up to `max_tokens`, or any size) through `DecodeLayers` (see above)."""
 
     name = "cpu-fused-decode"
 
-    def __init__(self, eager: EagerStepRunner, layers: Any) -> None:
+    def __init__(self, eager: EagerStepRunner, layers: Any, max_tokens: int | None) -> None:
         super().__init__(eager.model)
         self.eager = eager
         self.layers = layers
+        self.max_tokens = max_tokens
 
     def can_run(self, layout: StepLayout) -> bool:
         return (
             layout.is_decode_only
             and layout.is_every_row_output
-            and len(layout.input_ids) <= FUSED_MAX_TOKENS
+            and (self.max_tokens is None or len(layout.input_ids) <= self.max_tokens)
         )
 
     def run(self, layout: StepLayout) -> torch.Tensor:  # [T, hidden]
@@ -175,9 +186,7 @@ def fused_decode_runner(eager: StepRunner) -> FusedDecodeRunner | None:
     except NotFusable as reason:
         logger.info("decode steps run layer by layer: %s", reason)
         return None
-    logger.info(
-        "decode steps of up to %d tokens run their %d layers in one call",
-        FUSED_MAX_TOKENS,
-        layers.num_layers,
-    )
-    return FusedDecodeRunner(eager, layers)
+    max_tokens = most_tokens(eager.model)
+    size = "any size" if max_tokens is None else f"up to {max_tokens} tokens"
+    logger.info("decode steps of %s run their %d layers in one call", size, layers.num_layers)
+    return FusedDecodeRunner(eager, layers, max_tokens)

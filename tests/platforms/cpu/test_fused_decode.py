@@ -12,8 +12,9 @@ from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.engine_setup import build_engine
 from nanoserve.platforms.cpu import linear as cpu_linear
-from nanoserve.platforms.cpu.fused_decode import FUSED_MAX_TOKENS, FusedDecodeRunner
+from nanoserve.platforms.cpu.fused_decode import GEMV_STEP_TOKENS, FusedDecodeRunner
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
+from nanoserve.platforms.cpu.linear import packing_works
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the CPU kernels")
 
@@ -80,21 +81,38 @@ def test_fused_decode_gives_the_eager_runners_logprobs(
     rng = random.Random(0)
     lengths = (3, 17, 40, 9, 30, 5, 12, 2, 21, 8)
     prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in lengths]
-    # One request, four, ten (eager decode steps until two finish, then fused ones of 8, 7,
-    # ... 1), then prompts that extend cached ones by a token (decode-shaped).
+    # One request, four, ten (with GEMVs, eager decode steps until two finish), then prompts
+    # that extend cached ones by a token (decode-shaped).
     batches = [prompts[:1], prompts[:4], prompts, [p + [7] for p in prompts[:3]]]
     for batch in batches:
         assert run(fused, batch) == run(eager, batch)
-    assert set(counted_fused_steps) == set(range(1, FUSED_MAX_TOKENS + 1))
+    most = fused_runner(fused).max_tokens
+    assert (most is None) == (quantization is None and packing_works())  # oneDNN: any size
+    assert set(counted_fused_steps) == set(range(1, (most or len(prompts)) + 1))
 
 
-def test_larger_steps_and_prompt_chunks_go_to_the_eager_runner(tmp_path, counted_fused_steps):
-    engine = build(make_tiny_checkpoint(tmp_path, "qwen3"))
-    prompts = [[i + 1] * (10 + i) for i in range(FUSED_MAX_TOKENS + 1)]
-    # Nine prefills (eager), a decode step of all nine (eager: one more than a fused step
-    # takes), then steps of 8, 7, ... 1 as the requests finish one by one.
+def fused_runner(engine) -> FusedDecodeRunner:
+    [runner] = [
+        r
+        for runner in engine.runner.step_runners
+        for r in getattr(runner, "runners", [runner])
+        if isinstance(r, FusedDecodeRunner)
+    ]
+    return runner
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_prompt_chunks_and_steps_past_a_gemvs_size_go_to_the_eager_runner(
+    tmp_path, quantization, counted_fused_steps
+):
+    engine = build(make_tiny_checkpoint(tmp_path, "qwen3"), quantization=quantization)
+    prompts = [[i + 1] * (10 + i) for i in range(GEMV_STEP_TOKENS + 1)]
+    # Nine prefills (eager), a decode step of all nine (eager where the linears' decode
+    # products are GEMVs: one token more than they take), then steps of 8, 7, ... 1 as the
+    # requests finish one by one.
     run(engine, prompts, max_tokens=2)
-    assert counted_fused_steps == list(range(FUSED_MAX_TOKENS, 0, -1))
+    first = len(prompts) if fused_runner(engine).max_tokens is None else GEMV_STEP_TOKENS
+    assert counted_fused_steps == list(range(first, 0, -1))
 
 
 @pytest.mark.parametrize(
