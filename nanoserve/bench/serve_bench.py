@@ -54,11 +54,13 @@ def main(argv: list[str] | None = None) -> int:
 def _release_interrupted_frames(interrupt: KeyboardInterrupt) -> None:
     """Free what the interrupt's frames held, quietly. An interrupt can land between a
     coroutine's creation and its first step (`asyncio.run` not yet started), or inside a
-    request's task; collected, such a coroutine warns "never awaited" and such a task logs
-    "Task exception was never retrieved" with the interrupt's traceback, around the one line
-    `main` promises."""
+    request's task, or inside an event loop's constructor; collected, such a coroutine warns
+    "never awaited", such a task logs "Task exception was never retrieved" with the interrupt's
+    traceback, and such a half-built loop's `__del__` fails on what it never set ("Exception
+    ignored in ..."), around the one line `main` promises."""
     asyncio_log = logging.getLogger("asyncio")
     was_disabled, asyncio_log.disabled = asyncio_log.disabled, True
+    unraisable_hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
@@ -67,6 +69,7 @@ def _release_interrupted_frames(interrupt: KeyboardInterrupt) -> None:
             gc.collect()
     finally:
         asyncio_log.disabled = was_disabled
+        sys.unraisablehook = unraisable_hook
 
 
 def _run(

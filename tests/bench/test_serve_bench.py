@@ -272,13 +272,39 @@ sys.exit(serve_bench.main(["--arm", "url=x=http://127.0.0.1:9", "--preset", "tes
 """
 
 
+INTERRUPTED_INSIDE_AN_EVENT_LOOPS_CONSTRUCTOR = """
+import asyncio, sys
+from nanoserve.bench import serve_bench
+
+def interrupted_run(*args):
+    real = asyncio.selector_events.BaseSelectorEventLoop._make_self_pipe
+
+    def interrupted(self):  # as a signal lands before the loop has its self-pipe
+        raise KeyboardInterrupt
+
+    asyncio.selector_events.BaseSelectorEventLoop._make_self_pipe = interrupted
+    try:
+        asyncio.new_event_loop()
+    finally:
+        asyncio.selector_events.BaseSelectorEventLoop._make_self_pipe = real
+
+serve_bench._run = interrupted_run
+sys.exit(serve_bench.main(["--arm", "url=x=http://127.0.0.1:9", "--preset", "test"]))
+"""
+
+
 @pytest.mark.parametrize(
-    "script", [INTERRUPTED_BEFORE_A_PHASE_STARTS, INTERRUPTED_INSIDE_A_REQUESTS_TASK]
+    "script",
+    [
+        INTERRUPTED_BEFORE_A_PHASE_STARTS,
+        INTERRUPTED_INSIDE_A_REQUESTS_TASK,
+        INTERRUPTED_INSIDE_AN_EVENT_LOOPS_CONSTRUCTOR,
+    ],
 )
 def test_an_interrupt_anywhere_in_a_phase_is_still_one_line(script: str) -> None:
-    """What the interrupt left (a coroutine never started, a task whose exception nobody read)
-    is collected quietly before the line: each printed a warning or a traceback in CI, beside a
-    busy core."""
+    """What the interrupt left (a coroutine never started, a task whose exception nobody read,
+    a half-built event loop) is collected quietly before the line: each printed a warning or a
+    traceback in CI, beside a busy core."""
     run = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
