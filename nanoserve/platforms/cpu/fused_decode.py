@@ -1,14 +1,15 @@
 """The fused CPU decode step: every decoder layer of a Llama-family model in one C++ call.
 
 A decode step of the 0.6B shape streams ~1.2 GB of weights through the GEMVs in ~50 ms; the
-rest is ~15 tensor ops per layer, each a few microseconds of Python and dispatch, ~3 ms a step
+rest is ~15 tensor ops per layer, each a few microseconds of Python and dispatch, ~5 ms a step
 for 28 layers. `FusedDecodeRunner` is a step runner that takes decode steps (of up to
 `GEMV_STEP_TOKENS` tokens where a linear's decode product is a GEMV: int8, or bf16 on a CPU
 whose oneDNN cannot pack it) and hands the layers to `DecodeLayers` (`csrc/decode_layers.cpp`),
 which runs the reference layer's ops in the reference's order through the same kernels the
 eager step calls: the embedding, the RoPE tables, the final norm and the LM head stay in
-Python, and the hidden states are bit for bit the eager runner's. Every other step (prompt
-chunks, larger batches, drafts to verify) goes to the runners after it.
+Python, and the hidden states are bit for bit the eager runner's. Drafts to verify are laid
+out as decode tokens (`step_layout.py`) and come here too; steps with prompt chunks (and, where
+a GEMV limits them, larger batches) go to the runners after it.
 
 It takes a model only where every piece of a layer is one the C++ side knows, and says in the
 log why not otherwise: the Llama family's own layers (not a mixture of experts), one rank, a
