@@ -72,7 +72,7 @@ def linear_bytes(linear) -> int:
     weight = getattr(linear, "int8_weight", None)
     if weight is not None:
         return weight.numel() + linear.int8_scales.numel() * linear.int8_scales.element_size()
-    weight = linear.weight
+    weight = linear.weight if linear.weight is not None else linear.packed_weight  # packed only
     return weight.numel() * weight.element_size()
 
 
