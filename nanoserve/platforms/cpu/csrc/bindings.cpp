@@ -1,23 +1,5 @@
 // The Python module of nanoserve's CPU kernels (built by nanoserve/platforms/cpu/kernels.py).
-#include <torch/extension.h>
-
-at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales);
-at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight);
-bool bf16_gemv_is_vectorized();
-at::Tensor moe_bf16_gemv(at::Tensor x, at::Tensor weight, at::Tensor expert_ids,
-                         at::Tensor offsets);
-at::Tensor moe_int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales, at::Tensor expert_ids,
-                         at::Tensor offsets);
-void set_gemv_prefetch(int64_t bytes);
-int64_t gemv_prefetch();
-at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale);
-void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
-              at::Tensor slot_mapping);
-at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> weight, double eps);
-at::Tensor silu_mul(at::Tensor gate_up);
-at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor signed_sin);
-void bind_decode_layers(pybind11::module& m);  // the DecodeLayers class (decode_layers.cpp)
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, "[M, K] bf16 x [N, K] int8 weight * [N] scales -> [M, N]");

@@ -18,15 +18,7 @@
 
 #include <vector>
 
-at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales);
-at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight);
-at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale);
-void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
-              at::Tensor slot_mapping);
-at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> weight, double eps);
-at::Tensor silu_mul(at::Tensor gate_up);
-at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor signed_sin);
+#include "kernels.h"
 
 namespace {
 

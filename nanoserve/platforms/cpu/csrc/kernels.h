@@ -1,0 +1,29 @@
+// The kernels' entry points, defined in the .cpp files beside this one: what bindings.cpp gives
+// Python and what decode_layers.cpp calls layer by layer.
+#pragma once
+#include <torch/extension.h>
+
+// gemv.cpp
+at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales);
+at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight);
+bool bf16_gemv_is_vectorized();
+at::Tensor moe_bf16_gemv(at::Tensor x, at::Tensor weight, at::Tensor expert_ids,
+                         at::Tensor offsets);
+at::Tensor moe_int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales, at::Tensor expert_ids,
+                         at::Tensor offsets);
+void set_gemv_prefetch(int64_t bytes);
+int64_t gemv_prefetch();
+
+// decode_attention.cpp
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale);
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_mapping);
+
+// fused_ops.cpp
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> weight, double eps);
+at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor signed_sin);
+
+// decode_layers.cpp: the DecodeLayers class
+void bind_decode_layers(pybind11::module& m);
