@@ -71,7 +71,9 @@ class CpuPaths:
             compiled = CompiledDecodeRunner(eager)
             compiled.compile_graphs()
             runners = [compiled, eager]
-        fused = fused_decode_runner(eager) if self.fused else None
+        fused = None
+        if self.fused and self.kernels is not None:
+            fused = fused_decode_runner(eager, self.kernels)
         if fused is not None:
             runners = [fused, eager]
         max_threads = torch.get_num_threads()

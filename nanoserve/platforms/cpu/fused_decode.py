@@ -174,13 +174,10 @@ class FusedDecodeRunner(StepRunner):
         return model.norm(x)
 
 
-def fused_decode_runner(eager: StepRunner) -> FusedDecodeRunner | None:
-    """The fused decode runner for the eager runner's model, or None (logged) where the model
-    has a piece `DecodeLayers` does not know."""
-    from nanoserve.platforms.cpu.kernels import load_cpu_kernels
-
-    kernels = load_cpu_kernels()
-    if kernels is None or not isinstance(eager, EagerStepRunner):
+def fused_decode_runner(eager: StepRunner, kernels: ModuleType) -> FusedDecodeRunner | None:
+    """The fused decode runner for the eager runner's model, through `kernels` (the built C++
+    kernels), or None (logged) where the model has a piece `DecodeLayers` does not know."""
+    if not isinstance(eager, EagerStepRunner):
         return None
     try:
         layers = fused_layers(eager.model, kernels)

@@ -13,10 +13,7 @@ from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.engine_setup import build_engine
 from nanoserve.platforms.cpu import linear as cpu_linear
 from nanoserve.platforms.cpu.fused_decode import GEMV_STEP_TOKENS, FusedDecodeRunner
-from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import packing_works
-
-pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the CPU kernels")
 
 
 def runner_names(engine) -> list[str]:
