@@ -9,13 +9,15 @@ Invariants (checked by `BlockPool.check_invariants`, which the randomized tests 
 - a block in the hash table holds exactly the tokens of its hash's prefix, and the table maps
   that hash to it and to no other block;
 - a request's block table holds `ceil(num_computed_tokens / block_size)` blocks or more;
-- a kept tail is a free block, kept under the hash of the full block before it.
+- a kept tail is a free block, kept under the hash of the full block before it (a full block
+  may be both cached and a kept tail: a request sharing only part of it takes it over).
 
 Prefix caching: a full block is named by a chained hash, `sha256(parent_hash + its tokens)`, so
 equal hashes mean equal whole prefixes. Free blocks keep their contents and hash; they are
 evicted least-recently-freed first, and only when a new block is needed. A finished request's
-partly filled last block is kept too, as a *tail*: a request that extends the same prefix (an
-editor's next keystroke) takes it over and computes only what comes after the tokens it shares.
+partly filled last block, and the block its prompt ended in, are kept as *tails*: a request that
+shares only part of such a block (an editor's next keystroke, which drops what the last one
+generated) takes it over and computes only what comes after the tokens it shares.
 """
 
 from __future__ import annotations
@@ -67,9 +69,7 @@ class BlockPool:
         for _ in range(num_blocks):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
-            if block.block_hash is not None:  # evict: its prefix is no longer findable
-                del self.cached[block.block_hash]
-                block.block_hash = None
+            self.forget_prefix(block_id)
             self._drop_tail(block)
             block.ref_count = 1
             block_ids.append(block_id)
@@ -96,6 +96,13 @@ class BlockPool:
             assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
+
+    def forget_prefix(self, block_id: int) -> None:
+        """Evict a block's cached prefix: its slots are about to be rewritten."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         return self.cached.get(block_hash)
@@ -214,6 +221,8 @@ class KVCacheManager:
         assert self.can_allocate(request, num_new_tokens, cached_blocks, num_cached)
         num_needed = self._num_new_blocks(request, num_new_tokens, cached_blocks, num_cached)
         self.pool.share(cached_blocks)
+        if num_cached % self.block_size:  # a tail, full or not: rewritten after what is shared
+            self.pool.forget_prefix(cached_blocks[-1])
         request.block_ids.extend(cached_blocks)
         request.block_ids.extend(self.pool.allocate(num_needed))
         if self.enable_prefix_caching:
@@ -221,17 +230,18 @@ class KVCacheManager:
             self._cache_full_blocks(request, num_known + num_new_tokens)
 
     def free(self, request: Request) -> None:
-        """Return all of the request's blocks (in reverse, see `BlockPool.free`); a partly
-        filled last block, once free, is kept as a tail."""
+        """Return all of the request's blocks (in reverse, see `BlockPool.free`); the block its
+        prompt ended in and its partly filled last block, once free, are kept as tails."""
         self.pool.free(list(reversed(request.block_ids)))
-        num_full, num_in_tail = divmod(request.num_computed_tokens, self.block_size)
-        if self.enable_prefix_caching and num_in_tail and len(request.block_ids) > num_full:
-            tail_id = request.block_ids[num_full]
-            if self.pool.blocks[tail_id].ref_count == 0:  # nobody else writes after its tokens
-                parent = self._hashes_for(request)[num_full - 1] if num_full else None
-                start = num_full * self.block_size
-                tokens = request.all_token_ids[start : start + num_in_tail]
-                self.pool.keep_tail(tail_id, parent, tokens)
+        size = self.block_size
+        for index in {(request.num_prompt_tokens - 1) // size, request.num_computed_tokens // size}:
+            start = index * size
+            tokens = request.all_token_ids[start : request.num_computed_tokens][:size]
+            if self.enable_prefix_caching and tokens and index < len(request.block_ids):
+                block = self.pool.blocks[request.block_ids[index]]
+                parent = self._hashes_for(request)[index - 1] if index else None
+                if block.ref_count == 0:  # nobody else writes after its tokens
+                    self.pool.keep_tail(block.block_id, parent, tokens)
         request.block_ids = []
         self._num_named_blocks.pop(request.request_id, None)
 

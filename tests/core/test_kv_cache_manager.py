@@ -122,3 +122,25 @@ def test_a_tail_without_full_blocks_before_it_and_one_kept_per_prefix():
     kv.allocate(new, 1, cached, num_cached)
     assert new.block_ids == [1] and kv.pool.tails == {}
     kv.pool.check_invariants()
+
+
+def test_a_full_block_a_prompt_ended_in_is_a_tail_and_taking_it_over_evicts_its_prefix():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    old = make_request("old", [1, 2, 3, 4, 5, 6])
+    kv.allocate(old, 6, [])
+    for computed, generated in ((6, 7), (7, 8), (8, 9)):  # decode steps: the 2nd block fills
+        old.append_output_token(generated)
+        old.num_computed_tokens = computed
+        if computed < 8:
+            kv.allocate(old, 1, [])
+    full_hash = hash_block_tokens(hash_block_tokens(None, [1, 2, 3, 4]), [5, 6, 7, 8])
+    assert kv.pool.cached[full_hash] == 1
+    kv.free(old)
+    assert kv.pool.tails == {hash_block_tokens(None, [1, 2, 3, 4]): 1}
+    new = make_request("new", [1, 2, 3, 4, 5, 6, 10])
+    cached, num_cached = kv.find_cached_prefix(new)
+    assert (cached, num_cached) == ([0, 1], 6)
+    kv.allocate(new, 1, cached, num_cached)
+    assert full_hash not in kv.pool.cached and kv.pool.blocks[1].block_hash is None
+    assert kv.pool.tails == {}
+    kv.pool.check_invariants()

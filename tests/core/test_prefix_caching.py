@@ -67,14 +67,16 @@ def test_fully_cached_prompt_of_whole_blocks_recomputes_only_its_last_token(chec
     drain(engine)
     engine.add_request("again", SHARED, greedy())
     scheduled = engine.scheduler.schedule()
-    # 3 of 4 blocks come from the cache; the 4th block's tokens run again (the last one must).
-    assert scheduled.num_scheduled_tokens == {"again": 4}
+    # 3 of 4 blocks come from the cache by their hashes; the 4th, the block the first prompt
+    # ended in, is a kept tail that gives all but its last token (which must run).
+    assert scheduled.num_scheduled_tokens == {"again": 1}
     tokens = engine.scheduler.update(
         scheduled, *engine.runner.execute(scheduled, engine.eos_token_ids)
     )
     result = drain(engine, {"again": tokens[0].new_token_ids})
     assert result["again"] == expected(hf_model, SHARED)
-    assert engine.stats().prefix_cache_hits == 12
+    assert engine.stats().prefix_cache_hits == 15
+    engine.scheduler.kv.pool.check_invariants()
 
 
 def test_two_requests_sharing_a_prefix_admitted_in_the_same_step(checkpoint, hf_model):
@@ -201,6 +203,35 @@ def test_the_next_keystroke_takes_over_the_partly_filled_block(checkpoint, hf_mo
     result = drain(engine, {"next": tokens[0].new_token_ids})
     assert result["next"] == expected(hf_model, next_prompt)
     kv.pool.check_invariants()
+
+
+def test_the_next_keystroke_shares_the_full_block_its_prompt_ended_in(checkpoint, hf_model):
+    """The last request's generated tokens filled the block its prompt ended in; the next
+    keystroke drops them, shares the prompt's tokens of that full block and runs only its own."""
+    engine = make_engine(checkpoint)
+    kv = engine.scheduler.kv
+    typed = SHARED + [1, 2]  # 4 full blocks and 2 tokens; 4 generated fill the 5th block
+    engine.add_request("typed", typed, greedy(4))
+    drain(engine)
+    ended_in = next(b.block_id for b in kv.pool.blocks if b.tail and b.tail[1][:2] == (1, 2))
+    assert kv.pool.blocks[ended_in].block_hash is not None  # full and cached too
+    next_prompt = typed + [keystroke_after(hf_model, typed, 4)]
+    engine.add_request("next", next_prompt, greedy())
+    scheduled = engine.scheduler.schedule()
+    assert scheduled.num_scheduled_tokens == {"next": 1}
+    request = engine.scheduler.requests["next"]
+    assert request.block_ids[4] == ended_in and request.num_cached_tokens == 18
+    assert kv.pool.blocks[ended_in].block_hash is None  # its old prefix is being rewritten
+    tokens = engine.scheduler.update(
+        scheduled, *engine.runner.execute(scheduled, engine.eos_token_ids)
+    )
+    result = drain(engine, {"next": tokens[0].new_token_ids})
+    assert result["next"] == expected(hf_model, next_prompt)
+    kv.pool.check_invariants()
+    # The evicted prefix is not found again: the old request's whole text recomputes its 5th block.
+    again = typed + expected(hf_model, typed, 4)
+    cached, num_cached = kv.find_cached_prefix(Request("again", again, greedy()))
+    assert num_cached < 20
 
 
 def test_a_kept_tail_goes_to_one_request_and_is_evicted_like_any_free_block(checkpoint, hf_model):
