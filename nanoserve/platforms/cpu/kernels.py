@@ -8,6 +8,8 @@
     rotary                  the rotary embedding in one pass per head (fused_ops.py)
     silu_mul                SwiGLU's silu(gate) * up in one pass per row (fused_ops.py)
     store_kv                a step's keys and values into their cache slots (attention.py)
+    add_rms_norm            a residual add and the RMSNorm after it, in one pass per row
+    qk_norm_rotary          a step's q/k heads normed (Qwen3) and rotated, in one pass per head
     DecodeLayers            a decode step through every decoder layer in one call, with the
                             kernels above (fused_decode.py)
 

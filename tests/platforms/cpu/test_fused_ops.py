@@ -148,3 +148,42 @@ def test_the_cpu_platform_installs_them_on_every_layer_that_calls_layer_ops(tmp_
     llm = LLM(str(make_tiny_checkpoint(tmp_path, "qwen3")), device="cpu")
     users = [m for m in llm.engine.model.modules() if isinstance(getattr(m, "ops", None), LayerOps)]
     assert users and all(isinstance(m.ops, FusedCpuOps) for m in users)
+
+
+@pytest.mark.parametrize("tokens", [1, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_residual_add_and_its_norm_in_one_pass_round_as_the_two_kernels(fused, tokens, dtype):
+    """The fused decode step's `add_rms_norm`: exactly `x + delta`, then `rms_norm` of it."""
+    kernels = fused.kernels
+    generator = torch.Generator().manual_seed(tokens)
+    x, delta = (torch.randn(tokens, 1024, generator=generator).to(dtype) * 4 for _ in range(2))
+    weight = torch.randn(1024, generator=generator).to(dtype)
+    total, normed = kernels.add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, kernels.rms_norm(x + delta, weight, 1e-6))
+
+
+@pytest.mark.parametrize("tokens", [1, 70])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_norms", [True, False], ids=["qwen3", "llama"])
+def test_q_k_norms_and_rope_in_one_pass_round_as_the_kernels_one_by_one(
+    fused, tokens, dtype, with_norms
+):
+    """The fused decode step's `qk_norm_rotary` on q and k heads of a fused qkv product (a
+    strided view), against rms_norm, the scales' products and rotary called one by one."""
+    kernels = fused.kernels
+    heads, kv_heads, head_dim = 16, 8, 128
+    generator = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    cos, sin = (torch.randn(tokens, 1, head_dim, generator=generator).to(dtype) for _ in "cs")
+    q_weight, k_weight = (torch.randn(head_dim, generator=generator).to(dtype) for _ in "qk")
+    weights = (q_weight, k_weight) if with_norms else (None, None)
+    q, k = kernels.qk_norm_rotary(qk, heads, *weights, cos, sin, 1e-6)
+    expected = qk
+    if with_norms:
+        normed = kernels.rms_norm(qk, None, 1e-6)
+        expected = torch.cat([q_weight * normed[:, :heads], k_weight * normed[:, heads:]], dim=1)
+    assert torch.equal(q, kernels.rotary(expected[:, :heads], cos, sin))
+    assert torch.equal(k, kernels.rotary(expected[:, heads:], cos, sin))
+    assert q.is_contiguous() and k.is_contiguous()

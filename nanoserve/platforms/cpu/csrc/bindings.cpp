@@ -18,5 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [T, H, D], weight optional");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] (gate, then up) -> [T, I]");
   m.def("rotary", &rotary, "neox-style rotary embedding of [T, H, D] by [T, 1, D] cos/sin");
+  m.def("add_rms_norm", &add_rms_norm,
+        "(x + delta, RMSNorm(x + delta) * weight) of [T, D] rows: a residual add and its norm");
+  m.def("qk_norm_rotary", &qk_norm_rotary,
+        "(q, k) from [T, H + Hkv, D]: each head RMS-normed (with weights given), then rotated");
   bind_decode_layers(m);
 }

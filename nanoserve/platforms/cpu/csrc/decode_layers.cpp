@@ -3,10 +3,12 @@
 // `LlamaDecoderLayer.forward` (nanoserve/core/models/llama.py) is the reference: per layer about
 // fifteen tensor ops, each a few microseconds of Python and dispatch. For a decode step of a
 // 0.6B model, whose matrix products stream ~1.2 GB in ~50 ms, the Python between them costs
-// ~3 ms. `DecodeLayers` holds every layer's tensors and runs the same ops, in the same order and
-// through the same kernels (the GEMVs, RMSNorm, RoPE, SwiGLU, store_kv and the paged-decode
-// attention of the other files here), so its output is bit for bit the eager step's; only
-// Python is left out. It holds no GIL while it runs.
+// ~3 ms. `DecodeLayers` holds every layer's tensors and runs the same computation through the
+// same kernels (the GEMVs, oneDNN's product, the paged-decode attention, SwiGLU, store_kv), with
+// two pairs of steps merged into one pass each, keeping their roundings: a residual add and the
+// RMSNorm after it (`add_rms_norm`), and Qwen3's per-head q/k norms and RoPE (`qk_norm_rotary`).
+// So its output is bit for bit the eager step's, with Python and ~6 calls per layer left out.
+// It holds no GIL while it runs.
 //
 // Each layer is SLOTS tensors, in the order of `Slot` below; an absent one (no bias, no q/k
 // norm, no int8 scales) is an empty tensor. A linear is (weight, scales, bias, packed): with
@@ -94,39 +96,37 @@ class DecodeLayers {
                      at::Tensor block_tables, at::Tensor seq_lens) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[T, hidden] bf16");
     const StepInputs step{cos, signed_sin, slot_mapping, block_tables, seq_lens};
-    for (int64_t i = 0; i < num_layers(); ++i) x = layer(x, tensors_.data() + i * SLOTS, step);
+    // LlamaDecoderLayer.forward, attention then MLP, each added to the residual stream; each
+    // residual add runs with the norm after it (the next layer's input norm after the MLP).
+    at::Tensor normed = rms_norm(x, layer(0)[INPUT_NORM], eps_), h, post, mlp;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const at::Tensor* t = layer(i);
+      std::tie(h, post) = add_rms_norm(x, attention(normed, t, step), t[POST_NORM], eps_);
+      mlp = linear(silu_mul(linear(post, t, GATE_UP_WEIGHT)), t, DOWN_WEIGHT);
+      if (i + 1 == num_layers()) return h + mlp;
+      std::tie(x, normed) = add_rms_norm(h, mlp, layer(i + 1)[INPUT_NORM], eps_);
+    }
     return x;
   }
 
  private:
+  const at::Tensor* layer(int64_t i) const { return tensors_.data() + i * SLOTS; }
+
   at::Tensor linear(const at::Tensor& x, const at::Tensor* t, Slot slot) const {
     return apply_linear(x, t, slot, gemv_max_rows_);
-  }
-
-  // LlamaDecoderLayer.forward: attention then MLP, each added to the residual stream.
-  at::Tensor layer(const at::Tensor& x, const at::Tensor* t, const StepInputs& step) const {
-    const at::Tensor h = x + attention(rms_norm(x, t[INPUT_NORM], eps_), t, step);
-    const at::Tensor gate_up = linear(rms_norm(h, t[POST_NORM], eps_), t, GATE_UP_WEIGHT);
-    return h + linear(silu_mul(gate_up), t, DOWN_WEIGHT);
   }
 
   // LlamaAttention.forward for decode tokens: [T, hidden] -> [T, hidden].
   at::Tensor attention(const at::Tensor& x, const at::Tensor* t, const StepInputs& step) const {
     const int64_t T = x.size(0), q_size = H_ * D_, kv_size = Hkv_ * D_;
     const at::Tensor qkv = linear(x, t, QKV_WEIGHT);  // [T, (H + 2 Hkv) D]
-    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, H_ + Hkv_, D_});
+    const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, H_ + Hkv_, D_});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv_, D_});
-    at::Tensor q, k;
-    if (present(t[Q_NORM])) {  // one normalization over q's and k's heads, then their scales
-      qk = rms_norm(qk, c10::nullopt, eps_);
-      q = t[Q_NORM] * qk.narrow(1, 0, H_);
-      k = t[K_NORM] * qk.narrow(1, H_, Hkv_);
-    } else {
-      q = qk.narrow(1, 0, H_);
-      k = qk.narrow(1, H_, Hkv_);
-    }
-    q = rotary(q, step.cos, step.signed_sin);  // [T, H, D]
-    k = rotary(k, step.cos, step.signed_sin);  // [T, Hkv, D]
+    // Qwen3 normalizes each q and k head (one normalization, then their scales); then RoPE.
+    const bool normed = present(t[Q_NORM]);
+    auto [q, k] = qk_norm_rotary(qk, H_, normed ? c10::optional<at::Tensor>(t[Q_NORM]) : c10::nullopt,
+                                 normed ? c10::optional<at::Tensor>(t[K_NORM]) : c10::nullopt,
+                                 step.cos, step.signed_sin, eps_);  // [T, H, D], [T, Hkv, D]
     store_kv(k, v, t[K_CACHE], t[V_CACHE], step.slot_mapping);
     const at::Tensor out = paged_decode_attention(q, t[K_CACHE], t[V_CACHE], step.block_tables,
                                                   step.seq_lens, scale_);  // [T, H, D]

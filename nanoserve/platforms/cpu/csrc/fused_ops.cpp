@@ -207,3 +207,73 @@ at::Tensor rotary(at::Tensor input, at::Tensor cos, at::Tensor signed_sin) {
   });
   return out;
 }
+
+// x + delta and its RMSNorm, x and delta [T, D] -> (sum, normed), both [T, D]:
+// a decoder layer's residual add and the norm after it in one pass, with the roundings of the
+// two ops (the sum rounded to x's dtype, then normed as rms_norm does).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight,
+                                                double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(),
+              "x and delta: [T, D] alike");
+  x = x.contiguous();
+  delta = delta.contiguous();
+  const int64_t D = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == D &&
+              weight.scalar_type() == x.scalar_type());
+  auto sum = at::empty_like(x), normed = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *dp = delta.data_ptr<scalar_t>();
+    scalar_t *sp = sum.data_ptr<scalar_t>(), *np = normed.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), GRAIN, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t d = 0; d < D; ++d)
+          sp[t * D + d] = static_cast<scalar_t>(to_float(xp[t * D + d]) + to_float(dp[t * D + d]));
+        rms_norm_row(sp + t * D, w, np + t * D, D, static_cast<float>(eps));
+      }
+    });
+  });
+  return {sum, normed};
+}
+
+// A step's queries and keys from its fused projection: qk [T, H + Hkv, D] (rows contiguous, any
+// T stride), each head RMS-normed with its weight when q_weight and k_weight [D] are given
+// (Qwen3), then rotated by cos, signed_sin [T, 1, D] -> (q [T, H, D], k [T, Hkv, D]). The
+// roundings of rms_norm and rotary called one after the other.
+std::tuple<at::Tensor, at::Tensor> qk_norm_rotary(at::Tensor qk, int64_t num_q_heads,
+                                                  c10::optional<at::Tensor> q_weight,
+                                                  c10::optional<at::Tensor> k_weight,
+                                                  at::Tensor cos, at::Tensor signed_sin,
+                                                  double eps) {
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "[T, H, D] rows");
+  const int64_t T = qk.size(0), H = num_q_heads, Hkv = qk.size(1) - H, D = qk.size(2);
+  TORCH_CHECK(H > 0 && Hkv > 0 && q_weight.has_value() == k_weight.has_value());
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == T * D &&
+              signed_sin.numel() == T * D && cos.scalar_type() == qk.scalar_type() &&
+              signed_sin.scalar_type() == qk.scalar_type() && D % 2 == 0);
+  auto q = at::empty({T, H, D}, qk.options()), k = at::empty({T, Hkv, D}, qk.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qk.scalar_type(), "qk_norm_rotary", [&] {
+    const scalar_t *qw = nullptr, *kw = nullptr;
+    if (q_weight.has_value()) {
+      for (const at::Tensor* w : {&*q_weight, &*k_weight})
+        TORCH_CHECK(w->is_contiguous() && w->numel() == D && w->scalar_type() == qk.scalar_type());
+      qw = q_weight->data_ptr<scalar_t>();
+      kw = k_weight->data_ptr<scalar_t>();
+    }
+    const scalar_t *cp = cos.data_ptr<scalar_t>(), *sp = signed_sin.data_ptr<scalar_t>();
+    scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>();
+    for_each_row<scalar_t>(qk, [&](int64_t r, const scalar_t* row) {
+      const int64_t t = r / (H + Hkv), h = r % (H + Hkv);
+      scalar_t* out = h < H ? qp + (t * H + h) * D : kp + (t * Hkv + h - H) * D;
+      scalar_t normed[512];
+      const scalar_t* head = row;
+      if (qw != nullptr) {
+        TORCH_CHECK(D <= 512, "head_dim up to 512");
+        rms_norm_row(row, h < H ? qw : kw, normed, D, static_cast<float>(eps));
+        head = normed;
+      }
+      rotary_row(head, cp + t * D, sp + t * D, out, D);
+    });
+  });
+  return {q, k};
+}

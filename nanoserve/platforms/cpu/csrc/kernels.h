@@ -24,6 +24,13 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> weight, double eps);
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor signed_sin);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight,
+                                                double eps);
+std::tuple<at::Tensor, at::Tensor> qk_norm_rotary(at::Tensor qk, int64_t num_q_heads,
+                                                  c10::optional<at::Tensor> q_weight,
+                                                  c10::optional<at::Tensor> k_weight,
+                                                  at::Tensor cos, at::Tensor signed_sin,
+                                                  double eps);
 
 // decode_layers.cpp: the DecodeLayers class
 void bind_decode_layers(pybind11::module& m);
