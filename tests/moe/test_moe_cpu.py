@@ -1,5 +1,6 @@
-"""CpuMoeMethod: decode steps through the C++ grouped bf16 GEMV give the grouped method's
-products; the engine installs it for bf16 MoE models on CPU."""
+"""CpuMoeMethod: steps of up to 8 pairs per chosen expert through the C++ grouped bf16 GEMV
+give the grouped method's products, longer ones take the grouped method; the engine installs it
+for bf16 MoE models on CPU."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
 from nanoserve.engine_setup import build_engine
-from nanoserve.moe.cpu import GEMV_MAX_TOKENS, CpuMoeMethod
+from nanoserve.moe.cpu import GEMV_ROWS_PER_PASS, CpuMoeMethod
 from nanoserve.moe.layer import GROUPED, MoeMethod
+from nanoserve.moe.routing import route
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
 
@@ -31,8 +33,8 @@ class Recording(MoeMethod):
         return self.inner.apply(layer, x, weights, expert_ids)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 4, 9])
-def test_decode_steps_take_the_gemv_and_equal_the_grouped_method(num_tokens):
+@pytest.mark.parametrize("num_tokens", [1, 2, 9, 30])  # 6 experts, top 2: 30 tokens > 8 each
+def test_steps_of_few_pairs_an_expert_take_the_gemv_and_equal_the_grouped_method(num_tokens):
     kernels = load_cpu_kernels()
     assert kernels is not None
     block = make_block(seed=5).to(torch.bfloat16)
@@ -43,8 +45,17 @@ def test_decode_steps_take_the_gemv_and_equal_the_grouped_method(num_tokens):
         block.method = method
         got = block(x)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
-    is_decode = num_tokens <= GEMV_MAX_TOKENS
-    assert method.calls == ([num_tokens * block.top_k] * 2 if is_decode else [])
+    num_pairs = num_tokens * block.top_k
+    num_chosen = len(block.group(*block_routing(block, x)).expert_ids)
+    takes_gemv = num_pairs <= GEMV_ROWS_PER_PASS * num_chosen
+    assert takes_gemv == (num_tokens < 30)
+    assert method.calls == ([num_pairs] * 2 if takes_gemv else [])
+
+
+def block_routing(block, x):
+    """The (weights, expert ids) the block's router gives `x`."""
+    with torch.no_grad():
+        return route(torch.nn.functional.linear(x, block.gate), block.top_k, block.renormalize)
 
 
 def test_the_engine_installs_it_for_bf16_models(tmp_path):
