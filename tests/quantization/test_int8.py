@@ -24,13 +24,17 @@ from nanoserve.quantization.int8 import (
 
 def test_per_channel_quantization_keeps_each_row_within_half_a_step():
     torch.manual_seed(0)
-    weight = torch.randn(40, 64) * torch.linspace(0.01, 2.0, 40)[:, None]  # rows of every scale
-    weight[3] = 0.0  # an all-zero row must not divide by zero
+    # rows of every scale, in two whole chunks of QUANTIZE_CHUNK_ROWS and a part of one
+    weight = torch.randn(150, 64) * torch.linspace(0.01, 2.0, 150)[:, None]
+    weight[3] = weight[140] = 0.0  # an all-zero row must not divide by zero
     quantized, scales = quantize_int8(weight)
+    absmax = weight.abs().amax(1)
+    assert torch.equal(scales, torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax)))
+    assert torch.equal(quantized.float(), (weight / scales[:, None]).round())
     assert quantized.dtype == torch.int8 and quantized.abs().max() <= 127
     restored = quantized.float() * scales[:, None]
     assert ((restored - weight).abs() <= scales[:, None] / 2 + 1e-7).all()
-    assert torch.equal(restored[3], torch.zeros(64))
+    assert torch.equal(restored[3], torch.zeros(64)) and torch.equal(restored[140], torch.zeros(64))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
