@@ -124,7 +124,7 @@ def make_dummy_checkpoint(directory: str | Path, preset: str, seed: int = 0) -> 
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = model.to_empty(device="cpu")  # non-persistent buffers (rotary) are not saved
     model.tie_weights()  # to_empty gave the tied head its own storage
-    _init_weights(model, config, seed)
+    init_seeded_weights(model, seed)
     model.generation_config.eos_token_id = EOS_TOKEN_ID
     model.generation_config.pad_token_id = PAD_TOKEN_ID
     model.save_pretrained(str(directory), safe_serialization=True)
@@ -139,7 +139,7 @@ def make_dummy_checkpoint(directory: str | Path, preset: str, seed: int = 0) -> 
 
 
 @torch.no_grad()
-def _init_weights(model: PreTrainedModel, config, seed: int) -> None:
+def init_seeded_weights(model: PreTrainedModel, seed: int) -> None:
     """Seeded weights: norms ≈ 1, linears ~ N(0, 1/fan_in), embeddings ~ N(0, 0.1²)."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
@@ -157,12 +157,15 @@ def _init_weights(model: PreTrainedModel, config, seed: int) -> None:
 
 
 def decode_weight_bytes(model_dir: str | Path) -> int:
-    """Bytes of weights one decode step reads: all tensors, less an untied input embedding."""
+    """Bytes of weights one decode token reads: all tensors, less an untied input embedding;
+    of a mixture-of-experts model's experts only the share a token picks (top-k of E)."""
     from safetensors import safe_open
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     tied = config.get("tie_word_embeddings", False)
-    total = 0
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    picked = config.get("num_experts_per_tok", 1) / experts if experts else 1.0
+    total = 0.0
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -172,8 +175,9 @@ def decode_weight_bytes(model_dir: str | Path) -> int:
                 numel = 1
                 for dim in tensor_slice.get_shape():
                     numel *= dim
-                total += numel * _DTYPE_BYTES[tensor_slice.get_dtype()]
-    return total
+                share = picked if ".experts." in key else 1.0
+                total += numel * _DTYPE_BYTES[tensor_slice.get_dtype()] * share
+    return round(total)
 
 
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
