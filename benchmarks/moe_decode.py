@@ -17,7 +17,7 @@ vocabulary), then it measures
     prefill        one 1,500-token prompt: tok/s of its prefill (one step)
     peak memory    the process's maximum resident set
 
-The machine's read bandwidth is probed (sum over 256 MB of bf16) before each arm.
+The machine's read bandwidth is probed (`measure_read_bandwidth_gb_s`: 256 MB read) before each arm.
 """
 
 from __future__ import annotations
