@@ -21,6 +21,7 @@ and quantization install others (`cpu.py`, `int8.py`, `triton.py`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ from nanoserve.core.layers.linear import CheckpointSlice, CheckpointTargets
 from nanoserve.core.layers.ops import PORTABLE_OPS
 from nanoserve.core.parallel import TensorParallel
 from nanoserve.moe.routing import ExpertGroups, group_by_expert, route
+
+# Most tokens whose router product a method's `router_gemv` takes (one pass over the weight).
+ROUTER_GEMV_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,25 @@ class ExpertShard:
 
 class MoeMethod:
     """How a SparseMoeBlock runs its experts over a step's grouped tokens; subclasses may store
-    the weights differently (`process_weights`, called once after loading)."""
+    the weights differently (`process_weights`, called once after loading).
+
+    `router_gemv` (a CPU's bf16 GEMV, [T, H] x [E, H] -> [T, E]) takes the router's product for
+    steps of up to ROUTER_GEMV_MAX_TOKENS bf16 tokens: PyTorch's bf16 matmul spends ~0.1 ms
+    re-blocking the router's weight for each one-token step, four times the GEMV's read of it.
+    """
+
+    router_gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def process_weights(self, layer: SparseMoeBlock) -> None:
         """Reshape, pack or quantize `layer.w13` and `layer.w2` here."""
+
+    def router_logits(self, layer: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the router's logits [T, E], in x's dtype."""
+        gemv, gate = self.router_gemv, layer.gate
+        is_decode = x.dtype == gate.dtype == torch.bfloat16 and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
+        if gemv is not None and is_decode and x.shape[0] > 0:
+            return gemv(x, gate)
+        return F.linear(x, gate)
 
     def apply(
         self,
@@ -134,7 +153,7 @@ class SparseMoeBlock(nn.Module):
         self.expert_load: torch.Tensor | None = None  # [E] tokens routed to each, all steps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        router_logits = F.linear(x, self.gate)  # [T, E]
+        router_logits = self.method.router_logits(self, x)  # [T, E]
         weights, expert_ids = route(router_logits, self.top_k, self.renormalize)  # [T, k] each
         self.count_load(expert_ids)
         return self.tp.all_reduce(self.method.apply(self, x, weights, expert_ids))

@@ -2,6 +2,7 @@
 
 --quantization int8      Int8MoeMethod (decode steps by the C++ grouped int8 GEMV on CPU)
 CPU, bf16, kernels built CpuMoeMethod (decode steps by the C++ grouped bf16 GEMV)
+On CPU both take the router's product of decode steps through the bf16 GEMV.
 otherwise                the portable grouped method (`layer.py`)
 """
 
@@ -47,7 +48,10 @@ def moe_method_for(
                 "int8 experts run by the grouped method, which CUDA graphs cannot hold: "
                 "use --enforce-eager with --quantization int8 on MoE models on CUDA"
             )
-        return Int8MoeMethod(kernels.moe_int8_gemv if kernels is not None else None)
+        method: MoeMethod = Int8MoeMethod(kernels.moe_int8_gemv if kernels is not None else None)
+        if kernels is not None and kernels.bf16_gemv_is_vectorized():
+            method.router_gemv = kernels.bf16_gemv
+        return method
     if device.type == "cuda":
         try:
             from nanoserve.moe.triton_moe import TritonMoeMethod
@@ -56,5 +60,7 @@ def moe_method_for(
             return None
         return TritonMoeMethod()
     if kernels is not None and dtype == torch.bfloat16 and kernels.bf16_gemv_is_vectorized():
-        return CpuMoeMethod(kernels.moe_bf16_gemv)
+        method = CpuMoeMethod(kernels.moe_bf16_gemv)
+        method.router_gemv = kernels.bf16_gemv
+        return method
     return None

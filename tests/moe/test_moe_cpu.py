@@ -12,7 +12,7 @@ from tiny_checkpoints import make_tiny_checkpoint
 from nanoserve.common.config import EngineConfig
 from nanoserve.engine_setup import build_engine
 from nanoserve.moe.cpu import GEMV_ROWS_PER_PASS, CpuMoeMethod
-from nanoserve.moe.layer import GROUPED, MoeMethod
+from nanoserve.moe.layer import GROUPED, ROUTER_GEMV_MAX_TOKENS, MoeMethod
 from nanoserve.moe.routing import route
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
@@ -67,5 +67,30 @@ def test_the_engine_installs_it_for_bf16_models(tmp_path):
     config = EngineConfig(model=str(checkpoint), device="cpu", dtype="bfloat16", max_model_len=64)
     blocks = build_engine(config).model.moe_blocks()
     assert blocks and all(isinstance(b.method, CpuMoeMethod) for b in blocks)
+    assert all(b.method.router_gemv is kernels.bf16_gemv for b in blocks)
     fp32 = EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", max_model_len=64)
     assert all(b.method is GROUPED for b in build_engine(fp32).model.moe_blocks())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 9])
+def test_the_router_product_of_a_decode_step_goes_through_the_gemv(num_tokens):
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    block = make_block(seed=6).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 32, dtype=torch.bfloat16)
+    calls = []
+
+    def router_gemv(tokens, gate):
+        calls.append(tokens.shape[0])
+        return kernels.bf16_gemv(tokens, gate)
+
+    method = CpuMoeMethod(kernels.moe_bf16_gemv)
+    method.router_gemv = router_gemv
+    with torch.no_grad():
+        logits = method.router_logits(block, x)
+        expected = torch.nn.functional.linear(x, block.gate)
+        torch.testing.assert_close(logits.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        reference = block(x)  # the grouped method, PyTorch's router product
+        block.method = method
+        torch.testing.assert_close(block(x).float(), reference.float(), atol=2e-2, rtol=2e-2)
+    assert calls == ([num_tokens] * 2 if num_tokens <= ROUTER_GEMV_MAX_TOKENS else [])
