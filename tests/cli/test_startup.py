@@ -4,6 +4,7 @@ run, read from files without importing torch."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -42,6 +43,32 @@ def test_a_busy_port_names_the_flag_and_a_free_one(busy_port: int) -> None:
         bind_socket("127.0.0.1", busy_port)
     suggested = int(str(raised.value).rsplit("--port ", 1)[1])
     bind_socket("127.0.0.1", suggested).close()  # the suggestion works
+
+
+def test_connections_to_the_bound_socket_send_without_nagles_delay() -> None:
+    """asyncio (which uvicorn serves on) sets TCP_NODELAY on the connections the socket accepts,
+    so a response's body does not wait for the client's delayed ACK of its headers."""
+    listener = bind_socket("127.0.0.1", 0)
+    accepted: list[int] = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            sock = transport.get_extra_info("socket")
+            accepted.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def accept_one() -> None:
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        port = listener.getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        while not accepted:
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(accept_one(), timeout=10))
+    assert accepted == [1]
 
 
 def test_serve_reports_a_busy_port_before_the_model_loads(busy_port: int) -> None:
