@@ -42,7 +42,7 @@ class CpuMoeMethod(MoeMethod):
         groups = layer.group(weights, expert_ids)
         ids, offsets = groups.expert_ids, groups.offsets
         if len(groups.token_index) > GEMV_ROWS_PER_PASS * len(ids):  # several passes an expert
-            return GROUPED.apply(layer, x, weights, expert_ids)
+            return GROUPED.apply_groups(layer, x, groups)
         tokens = x[groups.token_index]  # [A, H]: each pair's token, grouped by expert
         gate_up = self.grouped_gemv(tokens, layer.w13, ids, offsets)  # [A, 2I]
         expert_out = self.grouped_gemv(layer.ops.silu_mul(gate_up), layer.w2, ids, offsets)

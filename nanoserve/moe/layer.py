@@ -109,7 +109,10 @@ class GroupedMoeMethod(MoeMethod):
     """Plain PyTorch: each expert with tokens runs once over all of them (two matmuls)."""
 
     def apply(self, layer: SparseMoeBlock, x, weights, expert_ids) -> torch.Tensor:
-        groups = layer.group(weights, expert_ids)
+        return self.apply_groups(layer, x, layer.group(weights, expert_ids))
+
+    def apply_groups(self, layer: SparseMoeBlock, x, groups: ExpertGroups) -> torch.Tensor:
+        """`apply` for pairs already grouped by expert."""
         expert_out = x.new_empty(len(groups.token_index), x.shape[1])  # [A, H]
         tokens = x[groups.token_index]  # [A, H]: each pair's token, grouped by expert
         for expert, start, end in groups.spans():

@@ -42,25 +42,25 @@ def moe_method_for(
         from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
         kernels = load_cpu_kernels()
+    method: MoeMethod
     if config.quantization == "int8":
         if device.type == "cuda" and not config.enforce_eager:
             raise ValueError(
                 "int8 experts run by the grouped method, which CUDA graphs cannot hold: "
                 "use --enforce-eager with --quantization int8 on MoE models on CUDA"
             )
-        method: MoeMethod = Int8MoeMethod(kernels.moe_int8_gemv if kernels is not None else None)
-        if kernels is not None and kernels.bf16_gemv_is_vectorized():
-            method.router_gemv = kernels.bf16_gemv
-        return method
-    if device.type == "cuda":
+        method = Int8MoeMethod(kernels.moe_int8_gemv if kernels is not None else None)
+    elif device.type == "cuda":
         try:
             from nanoserve.moe.triton_moe import TritonMoeMethod
         except ImportError as error:  # no Triton: the grouped method, and no CUDA graphs
             logger.warning("the fused-MoE Triton kernels are off: %s", error)
             return None
         return TritonMoeMethod()
-    if kernels is not None and dtype == torch.bfloat16 and kernels.bf16_gemv_is_vectorized():
+    elif kernels is not None and dtype == torch.bfloat16 and kernels.bf16_gemv_is_vectorized():
         method = CpuMoeMethod(kernels.moe_bf16_gemv)
-        method.router_gemv = kernels.bf16_gemv
-        return method
-    return None
+    else:
+        return None
+    if kernels is not None and kernels.bf16_gemv_is_vectorized():
+        method.router_gemv = kernels.bf16_gemv  # the router's product of decode steps
+    return method
