@@ -39,6 +39,10 @@ enum Slot {
 
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
+c10::optional<at::Tensor> if_present(const at::Tensor& t) {
+  return present(t) ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
 // x [T, in] @ packed.T + bias, by oneDNN: torch.ops.mkldnn._linear_pointwise, as
 // PackedLinearMethod calls it from Python.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
@@ -123,10 +127,8 @@ class DecodeLayers {
     const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, H_ + Hkv_, D_});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv_, D_});
     // Qwen3 normalizes each q and k head (one normalization, then their scales); then RoPE.
-    const bool normed = present(t[Q_NORM]);
-    auto [q, k] = qk_norm_rotary(qk, H_, normed ? c10::optional<at::Tensor>(t[Q_NORM]) : c10::nullopt,
-                                 normed ? c10::optional<at::Tensor>(t[K_NORM]) : c10::nullopt,
-                                 step.cos, step.signed_sin, eps_);  // [T, H, D], [T, Hkv, D]
+    auto [q, k] = qk_norm_rotary(qk, H_, if_present(t[Q_NORM]), if_present(t[K_NORM]), step.cos,
+                                 step.signed_sin, eps_);  // [T, H, D], [T, Hkv, D]
     store_kv(k, v, t[K_CACHE], t[V_CACHE], step.slot_mapping);
     const at::Tensor out = paged_decode_attention(q, t[K_CACHE], t[V_CACHE], step.block_tables,
                                                   step.seq_lens, scale_);  // [T, H, D]

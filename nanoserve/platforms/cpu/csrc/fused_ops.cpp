@@ -150,6 +150,17 @@ void for_each_row(const at::Tensor& x, Fn fn) {
   });
 }
 
+// cos and signed_sin [T, 1, D] for T tokens of D values in `dtype` (D even), as rotary takes them.
+void check_rope_tables(const at::Tensor& cos, const at::Tensor& signed_sin, int64_t T, int64_t D,
+                       at::ScalarType dtype) {
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == T * D &&
+              signed_sin.numel() == T * D && cos.scalar_type() == dtype &&
+              signed_sin.scalar_type() == dtype && D % 2 == 0);
+}
+
+// The longest head qk_norm_rotary normalizes (on the stack, one head per row).
+constexpr int64_t MAX_NORMED_HEAD_DIM = 512;
+
 }  // namespace
 
 // input [T, D] or [T, H, D] (any T/H strides), weight [D] or None -> the input's shape.
@@ -192,9 +203,7 @@ at::Tensor rotary(at::Tensor input, at::Tensor cos, at::Tensor signed_sin) {
   TORCH_CHECK(input.dim() == 3, "expected [T, H, D]");
   const at::Tensor x = as_rows(input);
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
-  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == T * D &&
-              signed_sin.numel() == T * D && cos.scalar_type() == x.scalar_type() &&
-              signed_sin.scalar_type() == x.scalar_type() && D % 2 == 0);
+  check_rope_tables(cos, signed_sin, T, D, x.scalar_type());
   auto out = at::empty({T, H, D}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary", [&] {
     const scalar_t* cp = cos.data_ptr<scalar_t>();
@@ -248,9 +257,8 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rotary(at::Tensor qk, int64_t num_q_h
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "[T, H, D] rows");
   const int64_t T = qk.size(0), H = num_q_heads, Hkv = qk.size(1) - H, D = qk.size(2);
   TORCH_CHECK(H > 0 && Hkv > 0 && q_weight.has_value() == k_weight.has_value());
-  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == T * D &&
-              signed_sin.numel() == T * D && cos.scalar_type() == qk.scalar_type() &&
-              signed_sin.scalar_type() == qk.scalar_type() && D % 2 == 0);
+  check_rope_tables(cos, signed_sin, T, D, qk.scalar_type());
+  TORCH_CHECK(!q_weight.has_value() || D <= MAX_NORMED_HEAD_DIM, "head_dim up to 512 with norms");
   auto q = at::empty({T, H, D}, qk.options()), k = at::empty({T, Hkv, D}, qk.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qk.scalar_type(), "qk_norm_rotary", [&] {
     const scalar_t *qw = nullptr, *kw = nullptr;
@@ -265,10 +273,9 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rotary(at::Tensor qk, int64_t num_q_h
     for_each_row<scalar_t>(qk, [&](int64_t r, const scalar_t* row) {
       const int64_t t = r / (H + Hkv), h = r % (H + Hkv);
       scalar_t* out = h < H ? qp + (t * H + h) * D : kp + (t * Hkv + h - H) * D;
-      scalar_t normed[512];
+      scalar_t normed[MAX_NORMED_HEAD_DIM];
       const scalar_t* head = row;
       if (qw != nullptr) {
-        TORCH_CHECK(D <= 512, "head_dim up to 512");
         rms_norm_row(row, h < H ? qw : kw, normed, D, static_cast<float>(eps));
         head = normed;
       }
