@@ -2,7 +2,9 @@
 
 Each step gives every running request its next integer (1, 2, ...) up to its max_tokens, so a
 test knows every token a request must get. `fail_at_step` makes step N raise (a bug in the
-engine); `step_gate`, when set, makes each step wait for the test to let it run.
+engine); `step_gate`, when set, makes each step wait for the test to let it run. A step asks
+the loop's `are_aborted` once, as a fused step does between its layers, and is abandoned (no
+tokens) when every running request was aborted.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class CountingEngine:
         self.thread_ids: set[int] = set()  # the threads that called step()
         self.idle_slices = 0  # slices of idle work left (`idle_work`)
         self.idle_work_at_steps: list[int] = []  # num_steps at each idle_work call
+        self.abandoned_steps: list[int] = []  # num_steps of the steps abandoned
 
     def idle_work(self) -> bool:
         self.idle_work_at_steps.append(self.num_steps)
@@ -56,13 +59,16 @@ class CountingEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list[RequestDelta]:
+    def step(self, are_aborted=None) -> list[RequestDelta]:
         if self.step_gate is not None:
             self.step_gate.acquire()
         self.thread_ids.add(threading.get_ident())
         self.num_steps += 1
         if self.num_steps == self.fail_at_step:
             raise RuntimeError(f"step {self.num_steps} broke")
+        if are_aborted is not None and are_aborted(list(self.requests)):
+            self.abandoned_steps.append(self.num_steps)
+            return []
         deltas = []
         for request_id, (num_made, max_tokens) in list(self.requests.items()):
             num_made += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
@@ -16,7 +17,7 @@ from nanoserve.core import loader
 from nanoserve.core.fast_paths import FastPaths
 from nanoserve.core.kv_cache import KVCache
 from nanoserve.core.kv_cache_manager import KVCacheManager
-from nanoserve.core.model_runner import EagerStepRunner, ModelRunner
+from nanoserve.core.model_runner import EagerStepRunner, ModelRunner, StepAbandoned
 from nanoserve.core.models.base import CausalLM
 from nanoserve.core.parallel import TensorParallel
 from nanoserve.core.request import Request
@@ -152,8 +153,9 @@ class Engine:
         """Stop requests in any state; every block they held is returned."""
         self.scheduler.abort(request_ids)
 
-    def step(self) -> list[RequestDelta]:
-        """Schedule, execute, update: one forward pass over the running batch."""
+    def step(self, are_aborted: Callable[[list[str]], bool] | None = None) -> list[RequestDelta]:
+        """Schedule, execute, update: one forward pass over the running batch. A step runner
+        may abandon a step whose requests all `are_aborted` meanwhile: nothing is updated."""
         scheduled = self.last_schedule = self.scheduler.schedule()
         if scheduled.is_empty:
             self._wait_for_a_grammar()
@@ -162,9 +164,16 @@ class Engine:
         logprobs: dict[str, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if scheduled.requests:
-            token_ids, logprobs, prompt_logprobs = self.runner.execute(
-                scheduled, self.eos_token_ids, self.grammars.start_masks, self.speculator.verify
-            )
+            try:
+                token_ids, logprobs, prompt_logprobs = self.runner.execute(
+                    scheduled,
+                    self.eos_token_ids,
+                    self.grammars.start_masks,
+                    self.speculator.verify,
+                    are_aborted,
+                )
+            except StepAbandoned:
+                return []
         deltas = self.scheduler.update(scheduled, token_ids, logprobs, prompt_logprobs)
         self.speculator.propose(self.scheduler.running)  # drafts for the next step
         return deltas

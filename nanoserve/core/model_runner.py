@@ -29,6 +29,11 @@ from nanoserve.core.speculation import Verified
 from nanoserve.core.step_layout import StepLayout, flatten_schedule
 
 
+class StepAbandoned(Exception):
+    """A runner stopped a step whose requests were all aborted while it ran: what it wrote
+    lies past their computed tokens, in blocks their aborts return."""
+
+
 class StepRunner:
     """One way of launching a step's forward pass; `can_run` says which steps it takes."""
 
@@ -114,6 +119,7 @@ class ModelRunner:
             lambda requests, drafts: None
         ),
         verify: Callable[[torch.Tensor, SamplingBatch, list[list[int]]], Verified] | None = None,
+        are_aborted: Callable[[list[str]], bool] | None = None,
     ) -> tuple[
         dict[str, list[int]], dict[str, list[TokenLogprobs]], dict[str, list[TokenLogprobs]]
     ]:
@@ -126,7 +132,7 @@ class ModelRunner:
         `start_masks` starts the grammar masks of the sampling rows; they are computed while
         the forward pass runs and applied before sampling.
         """
-        layout = flatten_schedule(out, self.block_size)
+        layout = flatten_schedule(out, self.block_size, are_aborted)
         requests, drafts = layout.sampling_requests, layout.draft_token_ids
         pending_masks = start_masks(requests, drafts)
         # One row per position that samples: per request its last token, then each draft.

@@ -8,7 +8,9 @@ from them), or go straight into a CUDA graph's buffers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from nanoserve.core.prompt_logprobs import PromptLogprobRows
 from nanoserve.core.request import Request
@@ -31,6 +33,8 @@ class StepLayout:
     sampling_requests: list[Request] = field(default_factory=list)  # [S]
     draft_token_ids: list[list[int]] = field(default_factory=list)  # [S]: drafts to verify
     prompt_logprob_rows: PromptLogprobRows = field(default_factory=PromptLogprobRows)  # [P]
+    # Asked by a runner that can stop part-way: were all the step's requests aborted meanwhile?
+    is_abandoned: Callable[[], bool] = lambda: False
 
     @property
     def is_decode_only(self) -> bool:
@@ -47,15 +51,20 @@ class StepLayout:
         return len(self.sample_rows) == len(self.input_ids) and not self.prompt_logprob_rows.rows
 
 
-def flatten_schedule(out: SchedulerOutput, block_size: int) -> StepLayout:
+def flatten_schedule(
+    out: SchedulerOutput, block_size: int, are_aborted: Callable[[list[str]], bool] | None = None
+) -> StepLayout:
     """Lay out the scheduled tokens of all requests as one batch, decodes first.
 
     A decode with drafts is laid out as one attention sequence per token, each a decode of one
     query over the context up to it (same block table): every decode path (the paged-decode
-    kernels, CUDA graphs) then verifies drafts as it decodes.
+    kernels, CUDA graphs) then verifies drafts as it decodes. `are_aborted(request_ids)` (the
+    worker's inbox) answers the layout's `is_abandoned`.
     """
     num_tokens, drafted = out.num_scheduled_tokens, out.draft_token_ids
     layout = StepLayout()
+    if are_aborted is not None:
+        layout.is_abandoned = partial(are_aborted, [r.request_id for r in out.requests])
 
     def is_chunk(request: Request) -> bool:  # a prompt chunk, not a decode (with drafts or not)
         return num_tokens[request.request_id] - len(drafted.get(request.request_id, ())) > 1

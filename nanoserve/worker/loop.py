@@ -26,6 +26,7 @@ from nanoserve.common.protocol import (
     StepOutputs,
 )
 from nanoserve.common.sampling_params import SamplingParams
+from nanoserve.worker.inbox import Inbox
 from nanoserve.worker.step_records import Schedule, StepRecorder
 
 IDLE_POLL_S = 0.5  # how long an idle loop blocks on its inbox before checking `should_exit`
@@ -55,7 +56,9 @@ class ServedEngine(Protocol):
 
     def abort(self, request_ids: list[str]) -> None: ...
 
-    def step(self) -> list[RequestDelta]: ...
+    def step(
+        self, are_aborted: Callable[[list[str]], bool] | None = None
+    ) -> list[RequestDelta]: ...
 
     def has_unfinished_requests(self) -> bool: ...
 
@@ -79,16 +82,18 @@ def serve_engine(
     of messages changed something (a new request, an abort) the engine's stats are sent even
     when no step runs, so the front sees freed KV blocks at once. A step that ran a request
     recording its timeline carries its `StepRecord`. While nothing runs, the engine's idle
-    work goes on a slice at a time, the inbox checked between slices.
+    work goes on a slice at a time, the inbox checked between slices. A running step may look
+    at the inbox too, and stop once all its requests were aborted (`inbox.py`).
     """
     recorder = StepRecorder()
+    inbox = Inbox(recv)
     has_idle_work = True
     while not should_exit():
         is_idle = not engine.has_unfinished_requests()
         is_changed = False
         while True:
             is_waiting = is_idle and not is_changed
-            message = recv(IDLE_POLL_S if is_waiting and not has_idle_work else 0)
+            message = inbox.next(IDLE_POLL_S if is_waiting and not has_idle_work else 0)
             if message is None:
                 if is_waiting and not should_exit():
                     has_idle_work = has_idle_work and engine.idle_work()
@@ -100,7 +105,7 @@ def serve_engine(
             is_changed = True
         if engine.has_unfinished_requests():
             started = time.monotonic()
-            deltas = engine.step()
+            deltas = engine.step(inbox.are_aborted)
             schedule = engine.last_schedule if recorder.recorded_ids else None
             step = recorder.record(schedule, started, time.monotonic(), deltas)
             send(StepOutputs(deltas=deltas, stats=engine.stats(), step=step))

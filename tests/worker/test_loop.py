@@ -38,8 +38,9 @@ def test_loop_blocks_only_when_idle_and_steps_until_done() -> None:
     add = AddRequest("a", [1, 2], SamplingParams(max_tokens=3), 0.0)
     sent, timeouts = run_loop(engine, [None, add])
     # idle: one look (its idle work is done at once), then waits (IDLE_POLL_S); after a
-    # message: drains without waiting; busy: never waits.
-    assert timeouts == [0, IDLE_POLL_S, 0, 0, 0, IDLE_POLL_S]
+    # message: drains without waiting; busy: never waits (each step looks once, 0, whether
+    # its requests were aborted meanwhile).
+    assert timeouts == [0, IDLE_POLL_S] + [0, 0] * 3 + [IDLE_POLL_S]
     tokens = [d.new_token_ids for m in sent for d in m.deltas]
     assert tokens == [[1], [2], [3]]
     assert sent[-1].deltas[0].finish_reason == FinishReason.LENGTH
@@ -52,9 +53,10 @@ def test_idle_work_goes_on_slice_by_slice_while_nothing_runs() -> None:
     add = AddRequest("a", [1, 2], SamplingParams(max_tokens=3), 0.0)
     sent, timeouts = run_loop(engine, [None, add])
     # A slice before the request, none during its three steps, the other two after it; the
-    # inbox is only looked at (0) between slices, and waited on once they are done.
+    # inbox is only looked at (0) between slices and steps (and by each step), and waited on
+    # once they are done.
     assert engine.idle_work_at_steps == [0, 3, 3]
-    assert timeouts == [0] * 7 + [IDLE_POLL_S]
+    assert timeouts == [0] * 10 + [IDLE_POLL_S]
     assert [d.new_token_ids for m in sent for d in m.deltas] == [[1], [2], [3]]
 
 
@@ -81,3 +83,15 @@ def test_ready_says_what_the_engine_is() -> None:
     assert (ready.max_model_len, ready.vocab_size) == (64, 100)
     assert (ready.num_kv_blocks, ready.block_size) == (32, 16)
     assert (ready.load_time_s, ready.kv_sizing_time_s, ready.warmup_time_s) == (0.25, 0.125, 0.5)
+
+
+def test_an_abort_that_arrives_during_a_step_abandons_it_then_is_handled():
+    engine = CountingEngine()
+    add_a = AddRequest("a", [1, 2], SamplingParams(max_tokens=5), 0.0)
+    add_b = AddRequest("b", [1, 2], SamplingParams(max_tokens=2), 0.0)
+    # a's first step runs (nothing waiting when it asks); its abort and b arrive during the
+    # second, which stops; then b's steps run.
+    sent, _ = run_loop(engine, [add_a, None, None, None, AbortRequests(["a"]), add_b])
+    assert engine.abandoned_steps == [2]
+    by_request = [(d.request_id, d.new_token_ids) for m in sent for d in m.deltas]
+    assert by_request == [("a", [1]), ("b", [1]), ("b", [2])]

@@ -11,6 +11,10 @@ Python, and the hidden states are bit for bit the eager runner's. Drafts to veri
 out as decode tokens (`step_layout.py`) and come here too; steps with prompt chunks (and, where
 a GEMV limits them, larger batches) go to the runners after it.
 
+A step runs its layers in `LAYER_SPANS` calls and asks between them whether it was abandoned
+(`StepLayout.is_abandoned`): when an editor's next keystroke aborts the completion being
+decoded, the keystroke's own step need not wait for the rest of the old one.
+
 It takes a model only where every piece of a layer is one the C++ side knows, and says in the
 log why not otherwise: the Llama family's own layers (not a mixture of experts), one rank, a
 KV cache in the model's bf16 attended by the CPU kernel backend, every linear packed for
@@ -21,6 +25,7 @@ widened with the GEMV, or int8 in row pairs, and the fused layer ops installed.
 from __future__ import annotations
 
 import logging
+from itertools import pairwise
 from types import ModuleType
 from typing import Any, cast
 
@@ -28,7 +33,7 @@ import torch
 
 from nanoserve.core.layers.linear import Linear
 from nanoserve.core.layers.ops import LayerOps
-from nanoserve.core.model_runner import EagerStepRunner, StepRunner
+from nanoserve.core.model_runner import EagerStepRunner, StepAbandoned, StepRunner
 from nanoserve.core.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -47,6 +52,9 @@ ABSENT = torch.empty(0)  # a slot the layer does not have (no bias, no q/k norm,
 # The most tokens a fused step runs where a linear always streams through a GEMV (int8, or
 # widened bf16): the GEMVs take up to 8 rows a call, as the eager methods call them.
 GEMV_STEP_TOKENS = GEMV_CALL_ROWS
+# Calls a step's layers are run in (each a few microseconds besides its layers' work); a step
+# abandoned while it runs stops at the end of the span in flight.
+LAYER_SPANS = 4
 
 
 class NotFusable(Exception):
@@ -155,6 +163,7 @@ class FusedDecodeRunner(StepRunner):
         self.eager = eager
         self.layers = layers
         self.max_tokens = max_tokens
+        self.spans = layer_spans(layers.num_layers, LAYER_SPANS)
 
     def can_run(self, layout: StepLayout) -> bool:
         return (
@@ -170,8 +179,20 @@ class FusedDecodeRunner(StepRunner):
         positions = torch.tensor(layout.positions, dtype=torch.int64)  # [T]
         x = model.embed_tokens(input_ids)  # [T, hidden]
         cos, signed_sin = model.rotary_emb(positions, x.dtype)  # [T, 1, D] each
-        x = self.layers(x, cos, signed_sin, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        step = (cos, signed_sin, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        for begin, end in self.spans:
+            if begin > 0 and layout.is_abandoned():
+                raise StepAbandoned
+            x = self.layers(x, *step, begin, end)
         return model.norm(x)
+
+
+def layer_spans(num_layers: int, num_spans: int) -> list[tuple[int, int]]:
+    """[begin, end) of `num_spans` runs of layers (fewer if there are fewer layers), in order,
+    lengths differing by at most one."""
+    num_spans = min(num_spans, num_layers)
+    bounds = [num_layers * i // num_spans for i in range(num_spans + 1)]
+    return list(pairwise(bounds))
 
 
 def fused_decode_runner(eager: StepRunner, kernels: ModuleType) -> FusedDecodeRunner | None:

@@ -12,7 +12,7 @@ from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.engine_setup import build_engine
 from nanoserve.platforms.cpu import linear as cpu_linear
-from nanoserve.platforms.cpu.fused_decode import GEMV_STEP_TOKENS, FusedDecodeRunner
+from nanoserve.platforms.cpu.fused_decode import GEMV_STEP_TOKENS, FusedDecodeRunner, layer_spans
 from nanoserve.platforms.cpu.linear import packing_works
 
 
@@ -129,3 +129,72 @@ def test_models_with_a_piece_it_does_not_know_decode_layer_by_layer(
     assert "decode steps run layer by layer" in caplog.text
     tokens, _ = run(engine, [[1, 2, 3]], max_tokens=3)["0"]
     assert len(tokens) == 3
+
+
+def test_layer_spans_cover_the_layers_in_order():
+    assert layer_spans(28, 4) == [(0, 7), (7, 14), (14, 21), (21, 28)]
+    assert layer_spans(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert layer_spans(2, 4) == [(0, 1), (1, 2)]
+    assert layer_spans(1, 4) == [(0, 1)]
+
+
+def counted_span_calls(runner: FusedDecodeRunner) -> list[tuple[int, int]]:
+    """The (begin, end) of each call the runner makes to its `DecodeLayers` from now on."""
+    calls: list[tuple[int, int]] = []
+    layers = runner.layers
+
+    class Counted:
+        num_layers = layers.num_layers
+
+        def __call__(self, *args):
+            calls.append(args[-2:])
+            return layers(*args)
+
+    runner.layers = Counted()
+    return calls
+
+
+def greedy(engine, request_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(request_id, prompt, params)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        tokens += [t for d in engine.step() if d.request_id == request_id for t in d.new_token_ids]
+    return tokens
+
+
+def test_a_step_whose_requests_were_all_aborted_stops_after_a_span_and_leaves_nothing(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
+    engine, fresh = build(checkpoint), build(checkpoint)
+    prompt = [5, 9, 2, 7] * 5
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    engine.add_request("old", prompt, params)
+    decoded = [t for _ in range(4) for d in engine.step() for t in d.new_token_ids]
+    old = engine.scheduler.running[0]
+    computed = old.num_computed_tokens
+    calls = counted_span_calls(fused_runner(engine))
+    # The next decode step asks between spans; only "old" is in it, and it was aborted.
+    asked: list[list[str]] = []
+    deltas = engine.step(lambda ids: asked.append(ids) or ids == ["old"])
+    assert deltas == [] and asked == [["old"]] and calls == [(0, 1)]
+    assert old.num_computed_tokens == computed and old.output_token_ids == decoded
+    engine.abort(["old"])  # what the loop does next, with the abort it read early
+    engine.scheduler.kv.pool.check_invariants()
+    # The keystroke after it shares the old prompt and tokens (its cached tail included):
+    # the keys the abandoned step wrote past them change none of its tokens.
+    keystroke = prompt + decoded + [3]
+    hits = engine.scheduler.kv.num_prefix_hits
+    assert greedy(engine, "new", keystroke, 6) == greedy(fresh, "new", keystroke, 6)
+    assert engine.scheduler.kv.num_prefix_hits - hits == computed
+
+
+def test_a_step_with_a_request_not_aborted_runs_every_span(tmp_path):
+    engine = build(make_tiny_checkpoint(tmp_path, "qwen3"))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.add_request("b", [4, 5, 6], params)
+    engine.step()  # the prompts
+    calls = counted_span_calls(fused_runner(engine))
+    deltas = engine.step(lambda ids: set(ids) <= {"a"})  # "b" was not aborted
+    assert sorted(d.request_id for d in deltas) == ["a", "b"]
+    assert calls == [(0, 1), (1, 2)]

@@ -95,22 +95,24 @@ class DecodeLayers {
 
   int64_t num_layers() const { return static_cast<int64_t>(tensors_.size()) / SLOTS; }
 
-  // x [T, hidden] (the embedded tokens) -> [T, hidden] after the last layer (not normed).
+  // x [T, hidden] (the residual stream entering layer `begin`: the embedded tokens for 0) ->
+  // [T, hidden] after layer `end` - 1 (not normed). A step may run its layers in spans.
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor signed_sin, at::Tensor slot_mapping,
-                     at::Tensor block_tables, at::Tensor seq_lens) const {
+                     at::Tensor block_tables, at::Tensor seq_lens, int64_t begin,
+                     int64_t end) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[T, hidden] bf16");
+    TORCH_CHECK(0 <= begin && begin < end && end <= num_layers(), "layers [begin, end)");
     const StepInputs step{cos, signed_sin, slot_mapping, block_tables, seq_lens};
     // LlamaDecoderLayer.forward, attention then MLP, each added to the residual stream; each
     // residual add runs with the norm after it (the next layer's input norm after the MLP).
-    at::Tensor normed = rms_norm(x, layer(0)[INPUT_NORM], eps_), h, post, mlp;
-    for (int64_t i = 0; i < num_layers(); ++i) {
+    at::Tensor normed = rms_norm(x, layer(begin)[INPUT_NORM], eps_), h, post, mlp;
+    for (int64_t i = begin;; ++i) {
       const at::Tensor* t = layer(i);
       std::tie(h, post) = add_rms_norm(x, attention(normed, t, step), t[POST_NORM], eps_);
       mlp = linear(silu_mul(linear(post, t, GATE_UP_WEIGHT)), t, DOWN_WEIGHT);
-      if (i + 1 == num_layers()) return h + mlp;
+      if (i + 1 == end) return h + mlp;
       std::tie(x, normed) = add_rms_norm(h, mlp, layer(i + 1)[INPUT_NORM], eps_);
     }
-    return x;
   }
 
  private:
@@ -153,5 +155,6 @@ void bind_decode_layers(pybind11::module& m) {
       .def("__call__", &DecodeLayers::forward,
            pybind11::call_guard<pybind11::gil_scoped_release>(),
            "(x [T, hidden] bf16, cos, signed_sin [T, 1, D], slot_mapping [T], block_tables "
-           "[T, max_blocks], seq_lens [T]) -> [T, hidden]");
+           "[T, max_blocks], seq_lens [T], begin, end) -> [T, hidden] after layers "
+           "[begin, end)");
 }
