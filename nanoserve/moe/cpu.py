@@ -17,10 +17,12 @@ its time at 8 tokens a step, 0.8x at 96, the same at 128 (8 pairs an expert) and
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
-from nanoserve.moe.layer import GROUPED, MoeMethod, SparseMoeBlock, combine
+from nanoserve.moe.layer import GROUPED, MoeMethod, PairOps, SparseMoeBlock
+from nanoserve.moe.routing import ExpertGroups
 
 # Rows one pass of the grouped GEMV over an expert's weights serves (csrc/gemv.cpp).
 GEMV_ROWS_PER_PASS = 8
@@ -46,4 +48,21 @@ class CpuMoeMethod(MoeMethod):
         tokens = x[groups.token_index]  # [A, H]: each pair's token, grouped by expert
         gate_up = self.grouped_gemv(tokens, layer.w13, ids, offsets)  # [A, 2I]
         expert_out = self.grouped_gemv(layer.ops.silu_mul(gate_up), layer.w2, ids, offsets)
-        return combine(x, groups, expert_out)  # [A, H] -> [T, H]
+        return self.pairs.combine(x, groups, expert_out)  # [A, H] -> [T, H]
+
+
+class PairKernels(PairOps):
+    """`PairOps` through the C++ kernels (`csrc/moe_pairs.cpp`): the same bits."""
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+
+    def group(
+        self, expert_ids: torch.Tensor, weights: torch.Tensor, first: int, count: int
+    ) -> ExpertGroups:
+        return ExpertGroups(*self.kernels.moe_group(expert_ids, weights, first, count))
+
+    def combine(
+        self, x: torch.Tensor, groups: ExpertGroups, expert_out: torch.Tensor
+    ) -> torch.Tensor:
+        return self.kernels.moe_combine(x, groups.token_index, groups.weights, expert_out)

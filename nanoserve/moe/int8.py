@@ -67,7 +67,7 @@ class Int8MoeMethod(MoeMethod):
             ids, offsets = groups.expert_ids, groups.offsets
             gate_up = self.gemv(tokens, w13.values, w13.scales, ids, offsets)  # [A, 2I]
             act = layer.ops.silu_mul(gate_up)  # [A, I]
-            return combine(x, groups, self.gemv(act, w2.values, w2.scales, ids, offsets))
+            return self.pairs.combine(x, groups, self.gemv(act, w2.values, w2.scales, ids, offsets))
         expert_out = x.new_empty(tokens.shape)  # [A, H]
         for expert, start, end in groups.spans():
             gate_up = F.linear(tokens[start:end], w13.widened(expert, x.dtype))

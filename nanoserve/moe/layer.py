@@ -73,6 +73,22 @@ class ExpertShard:
         return ExpertShard(0, moe.num_experts, tp.rank * size, size, tp.size > 1)
 
 
+class PairOps:
+    """A step's (token, expert) pairs grouped by expert (`group_by_expert`) and the experts'
+    outputs summed back per token (`combine`): in PyTorch here, or a CPU's C++ kernels that
+    compute the same bits with one call each (`cpu.PairKernels`)."""
+
+    def group(
+        self, expert_ids: torch.Tensor, weights: torch.Tensor, first: int, count: int
+    ) -> ExpertGroups:
+        return group_by_expert(expert_ids, weights, first, count)
+
+    def combine(
+        self, x: torch.Tensor, groups: ExpertGroups, expert_out: torch.Tensor
+    ) -> torch.Tensor:
+        return combine(x, groups, expert_out)
+
+
 class MoeMethod:
     """How a SparseMoeBlock runs its experts over a step's grouped tokens; subclasses may store
     the weights differently (`process_weights`, called once after loading).
@@ -80,9 +96,12 @@ class MoeMethod:
     `router_gemv` (a CPU's bf16 GEMV, [T, H] x [E, H] -> [T, E]) takes the router's product for
     steps of up to ROUTER_GEMV_MAX_TOKENS bf16 tokens: PyTorch's bf16 matmul spends ~0.1 ms
     re-blocking the router's weight for each one-token step, four times the GEMV's read of it.
+    `pairs` groups a step's pairs and sums them back (a CPU's kernels replace PyTorch's ~15
+    small ops, ~0.2 ms a layer, with two calls).
     """
 
     router_gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    pairs = PairOps()
 
     def process_weights(self, layer: SparseMoeBlock) -> None:
         """Reshape, pack or quantize `layer.w13` and `layer.w2` here."""
@@ -163,7 +182,7 @@ class SparseMoeBlock(nn.Module):
 
     def group(self, weights: torch.Tensor, expert_ids: torch.Tensor) -> ExpertGroups:
         """The step's (token, expert) pairs of this rank's experts, grouped by expert."""
-        return group_by_expert(expert_ids, weights, self.shard.first, self.shard.count)
+        return self.method.pairs.group(expert_ids, weights, self.shard.first, self.shard.count)
 
     def count_load(self, expert_ids: torch.Tensor) -> None:
         """Add this step's choices to `expert_load` (a fixed [E] counter: bounded memory)."""

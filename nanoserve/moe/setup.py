@@ -2,7 +2,8 @@
 
 --quantization int8      Int8MoeMethod (decode steps by the C++ grouped int8 GEMV on CPU)
 CPU, bf16, kernels built CpuMoeMethod (decode steps by the C++ grouped bf16 GEMV)
-On CPU both take the router's product of decode steps through the bf16 GEMV.
+On CPU both take the router's product of decode steps through the bf16 GEMV, and group a
+step's pairs and sum them back through the C++ kernels.
 otherwise                the portable grouped method (`layer.py`)
 """
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from nanoserve.common.config import EngineConfig
-from nanoserve.moe.cpu import CpuMoeMethod
+from nanoserve.moe.cpu import CpuMoeMethod, PairKernels
 from nanoserve.moe.int8 import Int8MoeMethod
 from nanoserve.moe.layer import MoeMethod, SparseMoeBlock, install_moe_method
 
@@ -63,4 +64,6 @@ def moe_method_for(
         return None
     if kernels is not None and kernels.bf16_gemv_is_vectorized():
         method.router_gemv = kernels.bf16_gemv  # the router's product of decode steps
+    if kernels is not None:
+        method.pairs = PairKernels(kernels)  # a step's pairs grouped and summed back in C++
     return method

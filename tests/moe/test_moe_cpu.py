@@ -11,8 +11,8 @@ from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
 from nanoserve.engine_setup import build_engine
-from nanoserve.moe.cpu import GEMV_ROWS_PER_PASS, CpuMoeMethod
-from nanoserve.moe.layer import GROUPED, ROUTER_GEMV_MAX_TOKENS, MoeMethod
+from nanoserve.moe.cpu import GEMV_ROWS_PER_PASS, CpuMoeMethod, PairKernels
+from nanoserve.moe.layer import GROUPED, ROUTER_GEMV_MAX_TOKENS, MoeMethod, PairOps
 from nanoserve.moe.routing import route
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
@@ -68,6 +68,7 @@ def test_the_engine_installs_it_for_bf16_models(tmp_path):
     blocks = build_engine(config).model.moe_blocks()
     assert blocks and all(isinstance(b.method, CpuMoeMethod) for b in blocks)
     assert all(b.method.router_gemv is kernels.bf16_gemv for b in blocks)
+    assert all(isinstance(b.method.pairs, PairKernels) for b in blocks)
     fp32 = EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", max_model_len=64)
     assert all(b.method is GROUPED for b in build_engine(fp32).model.moe_blocks())
 
@@ -94,3 +95,35 @@ def test_the_router_product_of_a_decode_step_goes_through_the_gemv(num_tokens):
         block.method = method
         torch.testing.assert_close(block(x).float(), reference.float(), atol=2e-2, rtol=2e-2)
     assert calls == ([num_tokens] * 2 if num_tokens <= ROUTER_GEMV_MAX_TOKENS else [])
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "first", "count"),
+    [
+        (1, 128, 8, 0, 128),  # a decode step of the Qwen3-30B-A3B shape
+        (8, 16, 4, 0, 16),  # a batch: most experts chosen, some by several tokens
+        (300, 8, 2, 0, 8),  # a prefill
+        (6, 8, 3, 2, 4),  # expert parallelism: this rank's 4 experts of 8
+        (3, 8, 2, 6, 2),  # few local experts: tokens none of them serve, experts none picked
+    ],
+)
+def test_the_pair_kernels_group_and_sum_as_pytorch_does_bit_for_bit(
+    num_tokens, num_experts, top_k, first, count
+):
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    generator = torch.Generator().manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, num_experts, generator=generator).to(torch.bfloat16)
+    logits[:, 1] = logits[:, 0]  # ties between router scores
+    weights, expert_ids = route(logits, top_k, renormalize=True)
+    ours, reference = PairKernels(kernels), PairOps()
+    groups = ours.group(expert_ids, weights, first, count)
+    expected = reference.group(expert_ids, weights, first, count)
+    for name in ("token_index", "weights", "expert_of", "expert_ids", "offsets"):
+        got, want = getattr(groups, name), getattr(expected, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    x = torch.randn(num_tokens, 48, generator=generator).to(torch.bfloat16)
+    expert_out = torch.randn(len(groups.token_index), 48, generator=generator).to(torch.bfloat16)
+    summed = ours.combine(x, groups, expert_out)
+    assert summed.dtype == torch.bfloat16
+    assert torch.equal(summed, reference.combine(x, expected, expert_out))

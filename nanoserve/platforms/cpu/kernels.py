@@ -10,6 +10,8 @@
     store_kv                a step's keys and values into their cache slots (attention.py)
     add_rms_norm            a residual add and the RMSNorm after it, in one pass per row
     qk_norm_rotary          a step's q/k heads normed (Qwen3) and rotated, in one pass per head
+    moe_group, moe_combine  an MoE step's (token, expert) pairs grouped by expert, and the
+                            experts' outputs summed back per token (moe/cpu.py)
     DecodeLayers            a decode step through every decoder layer in one call, with the
                             kernels above (fused_decode.py)
 
@@ -68,6 +70,7 @@ SOURCES = (
     "decode_layers.cpp",
     "fused_ops.cpp",
     "gemv.cpp",
+    "moe_pairs.cpp",
 )
 MODULE_NAME = "nanoserve_cpu_kernels"
 # -ffp-contract=off: no a * b + c becomes one rounding, so fused_ops round as PyTorch does.

@@ -22,5 +22,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x + delta, RMSNorm(x + delta) * weight) of [T, D] rows: a residual add and its norm");
   m.def("qk_norm_rotary", &qk_norm_rotary,
         "(q, k) from [T, H + Hkv, D]: each head RMS-normed (with weights given), then rotated");
+  m.def("moe_group", &moe_group,
+        "([T, k] expert ids, [T, k] weights, first, count) -> a step's local (token, expert) "
+        "pairs sorted by expert: (token_index, weights, expert_of, expert_ids, offsets)");
+  m.def("moe_combine", &moe_combine,
+        "(x [T, H], token_index [A], weights [A], expert_out [A, H]) -> [T, H]: each token's "
+        "pairs' weighted outputs, summed in float32");
   bind_decode_layers(m);
 }

@@ -32,5 +32,11 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rotary(at::Tensor qk, int64_t num_q_h
                                                   at::Tensor cos, at::Tensor signed_sin,
                                                   double eps);
 
+// moe_pairs.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_group(
+    at::Tensor expert_ids, at::Tensor weights, int64_t first_expert, int64_t num_local);
+at::Tensor moe_combine(at::Tensor x, at::Tensor token_index, at::Tensor weights,
+                       at::Tensor expert_out);
+
 // decode_layers.cpp: the DecodeLayers class
 void bind_decode_layers(pybind11::module& m);
