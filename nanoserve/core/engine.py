@@ -173,6 +173,7 @@ class Engine:
                     are_aborted,
                 )
             except StepAbandoned:
+                logger.debug("a step stopped part-way: its requests were aborted meanwhile")
                 return []
         deltas = self.scheduler.update(scheduled, token_ids, logprobs, prompt_logprobs)
         self.speculator.propose(self.scheduler.running)  # drafts for the next step

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from servers import InProcessServer, read_metrics
+from servers import InProcessServer, ServerProcess, read_metrics
 
 DISCONNECTED = "vllm:http_requests_client_disconnected_total"
 
@@ -124,3 +124,31 @@ def test_many_dropped_streams_then_a_normal_request(
     while any(num_descriptors(pid) > n for pid, n in zip(pids, descriptors, strict=True)):
         assert time.monotonic() < deadline, ([num_descriptors(p) for p in pids], descriptors)
         time.sleep(0.1)
+
+
+def test_typing_on_in_a_worker_process_aborts_each_stale_completion_and_corrupts_nothing(
+    tiny_model, tmp_path
+) -> None:
+    """An editor's keystrokes against the real worker process, in bf16 (decode steps fused, so
+    a step may stop part-way when the stream it serves is dropped): each completion is dropped
+    at its first token as the next is sent. Nothing is left running or holding KV blocks, and
+    the document's cached blocks still give the answer they gave before the storm."""
+    document = "def add(a, b):\n    return a + b\n\n" * 8
+    with ServerProcess(tiny_model, tmp_path / "server.log", "--dtype", "bfloat16") as server:
+        question = {"prompt": document + "#", "max_tokens": 8, "temperature": 0}
+        url = f"{server.url}/v1/completions"
+        before = httpx.post(url, json=question, timeout=30).json()["choices"][0]["text"]
+        disconnected = read_metrics(server.url)[DISCONNECTED]
+        worker_pids = server.worker_pids()
+        typed = "print(add(1, 2))"
+        for i in range(1, len(typed) + 1):
+            body = {"prompt": document + typed[:i], "max_tokens": 200, "ignore_eos": True}
+            body["stream"] = True
+            sock = open_request(server.port, "/v1/completions", body)
+            read_until(sock, b"data: {")
+            sock.close()  # the next keystroke is sent at once
+        metrics = wait_until_idle(server.url, timeout_s=30)
+        assert metrics[DISCONNECTED] == disconnected + len(typed)
+        after = httpx.post(url, json=question, timeout=30).json()["choices"][0]["text"]
+        assert after == before
+        assert server.worker_pids() == worker_pids  # no worker died on the way
