@@ -97,7 +97,7 @@ class MoeMethod:
     steps of up to ROUTER_GEMV_MAX_TOKENS bf16 tokens: PyTorch's bf16 matmul spends ~0.1 ms
     re-blocking the router's weight for each one-token step, four times the GEMV's read of it.
     `pairs` groups a step's pairs and sums them back (a CPU's kernels replace PyTorch's ~15
-    small ops, ~0.2 ms a layer, with two calls).
+    small ops, each costing its dispatch at a decode step's sizes, with two calls).
     """
 
     router_gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None

@@ -1,11 +1,12 @@
 """The engine loop's incoming messages, readable ahead of their turn.
 
-A decode step of a 0.6B model takes ~50 ms on a CPU. When an editor's next keystroke arrives
-while the previous keystroke's completion is being decoded, the front aborts that completion
-and adds the new one; the loop would see both only after the step. So a step may ask, between
-its layers, whether every one of its requests has been aborted since it began
-(`Inbox.are_aborted`): that reads the messages waiting now and keeps them, in order, for the
-loop, which handles them as if they had just arrived, while the step stops (`StepAbandoned`).
+On a CPU a decode step of even a small model takes tens of milliseconds. When an editor's
+next keystroke arrives while the previous keystroke's completion is being decoded, the front
+aborts that completion and adds the new one; the loop would see both only after the step. So
+a step may ask, between its layers, whether every one of its requests has been aborted since
+it began (`Inbox.are_aborted`): that reads the messages waiting now and keeps them, in order,
+for the loop, which handles them as if they had just arrived, while the step stops
+(`StepAbandoned`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_group
   const int64_t top_k = ids.size(1), num_choices = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   const float* weight = chosen_weights.data_ptr<float>();
-  auto is_local = [&](int64_t c) { return id[c] >= first_expert && id[c] < first_expert + num_local; };
+  auto is_local = [&](int64_t c) {
+    return id[c] >= first_expert && id[c] < first_expert + num_local;
+  };
   std::vector<int64_t> count(num_local, 0);
   for (int64_t c = 0; c < num_choices; ++c)
     if (is_local(c)) ++count[id[c] - first_expert];
