@@ -8,8 +8,11 @@ whose oneDNN cannot pack it) and hands the layers to `DecodeLayers` (`csrc/decod
 which runs the reference layer's ops in the reference's order through the same kernels the
 eager step calls: the embedding, the RoPE tables, the final norm and the LM head stay in
 Python, and the hidden states are bit for bit the eager runner's. Drafts to verify are laid
-out as decode tokens (`step_layout.py`) and come here too; steps with prompt chunks (and, where
-a GEMV limits them, larger batches) go to the runners after it.
+out as decode tokens (`step_layout.py`) and come here too, and so do steps whose prompt chunks
+are short enough that the kernel backend attends their tokens one by one (an editor's next
+keystroke after one that never ran: a few new tokens over a cached document): the last layer
+then finishes only the rows that sample, as the eager model does. Longer prompt chunks (and,
+where a GEMV limits them, larger batches) go to the runners after it.
 
 A step runs its layers in `LAYER_SPANS` calls and asks between them whether it was abandoned
 (`StepLayout.is_abandoned`): when an editor's next keystroke aborts the completion being
@@ -41,7 +44,7 @@ from nanoserve.core.models.llama import (
     LlamaMLP,
 )
 from nanoserve.core.step_layout import StepLayout
-from nanoserve.platforms.cpu.attention import CpuKernelAttention
+from nanoserve.platforms.cpu.attention import SHORT_CHUNK_TOKENS, CpuKernelAttention, token_contexts
 from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
 from nanoserve.platforms.cpu.linear import GEMV_CALL_ROWS, PackedLinearMethod, WideningLinearMethod
 from nanoserve.quantization.int8 import Int8LinearMethod
@@ -166,24 +169,32 @@ class FusedDecodeRunner(StepRunner):
         self.spans = layer_spans(layers.num_layers, LAYER_SPANS)
 
     def can_run(self, layout: StepLayout) -> bool:
+        """Decode steps, and steps of short prompt chunks (each token attends through the
+        paged-decode kernel in the eager runner too), without prompt logprobs."""
+        is_short = layout.is_decode_only or max(layout.query_lens) <= SHORT_CHUNK_TOKENS
         return (
-            layout.is_decode_only
-            and layout.is_every_row_output
+            is_short
+            and not layout.prompt_logprob_rows.rows
             and (self.max_tokens is None or len(layout.input_ids) <= self.max_tokens)
         )
 
-    def run(self, layout: StepLayout) -> torch.Tensor:  # [T, hidden]
+    def run(self, layout: StepLayout) -> torch.Tensor:  # [S, hidden]: the rows that sample
         eager, model = self.eager, cast(LlamaForCausalLM, self.model).model
         meta = eager.backend.build_metadata(layout, eager.block_size, eager.device)
+        contexts = token_contexts(meta)  # each token's block table [T, max_blocks], context [T]
+        assert contexts is not None, "a step the kernel backend attends token by token"
         input_ids = torch.tensor(layout.input_ids, dtype=torch.int64)  # [T]
         positions = torch.tensor(layout.positions, dtype=torch.int64)  # [T]
+        rows = ABSENT  # all rows sample (decode steps), or only these (a prompt's last token)
+        if not layout.is_every_row_output:
+            rows = torch.tensor(layout.output_rows, dtype=torch.int64)  # [S]
         x = model.embed_tokens(input_ids)  # [T, hidden]
         cos, signed_sin = model.rotary_emb(positions, x.dtype)  # [T, 1, D] each
-        step = (cos, signed_sin, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        step = (cos, signed_sin, meta.slot_mapping, *contexts)
         for begin, end in self.spans:
             if begin > 0 and layout.is_abandoned():
                 raise StepAbandoned
-            x = self.layers(x, *step, begin, end)
+            x = self.layers(x, *step, begin, end, rows)
         return model.norm(x)
 
 

@@ -147,7 +147,7 @@ def counted_span_calls(runner: FusedDecodeRunner) -> list[tuple[int, int]]:
         num_layers = layers.num_layers
 
         def __call__(self, *args):
-            calls.append(args[-2:])
+            calls.append(args[-3:-1])  # (begin, end)
             return layers(*args)
 
     runner.layers = Counted()
@@ -198,3 +198,27 @@ def test_a_step_with_a_request_not_aborted_runs_every_span(tmp_path):
     deltas = engine.step(lambda ids: set(ids) <= {"a"})  # "b" was not aborted
     assert sorted(d.request_id for d in deltas) == ["a", "b"]
     assert calls == [(0, 1), (1, 2)]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_short_prompt_chunks_go_fused_and_give_the_eager_runners_logprobs(
+    tmp_path, quantization, counted_fused_steps
+):
+    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
+    fused = build(checkpoint, quantization=quantization)
+    eager = build(checkpoint, quantization=quantization, enforce_eager=True)
+    rng = random.Random(1)
+    # Three prompts of at most SHORT_CHUNK_TOKENS tokens in one step (every token attends
+    # through the paged-decode kernel; 8 tokens, what an int8 step takes), then each extended
+    # by two tokens over its cached blocks.
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (3, 2, 3)]
+    extended = [p + [rng.randrange(0, 256) for _ in range(2)] for p in prompts]
+    for batch in (prompts, extended):
+        assert run(fused, batch, max_tokens=4) == run(eager, batch, max_tokens=4)
+    assert 8 in counted_fused_steps  # the three prompts' step: 3 + 2 + 3 tokens
+    scored = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    fused.add_request("scored", [1, 2, 3], scored)
+    counted_fused_steps.clear()
+    while fused.has_unfinished_requests():
+        fused.step()
+    assert counted_fused_steps == [1]  # the prompt, whose logprobs it scores, ran eager

@@ -96,10 +96,12 @@ class DecodeLayers {
   int64_t num_layers() const { return static_cast<int64_t>(tensors_.size()) / SLOTS; }
 
   // x [T, hidden] (the residual stream entering layer `begin`: the embedded tokens for 0) ->
-  // [T, hidden] after layer `end` - 1 (not normed). A step may run its layers in spans.
+  // [T, hidden] after layer `end` - 1 (not normed). A step may run its layers in spans. Where
+  // output_rows [S] is given (not empty), the model's last layer finishes only those rows, as
+  // LlamaModel.forward does for a prompt chunk: -> [S, hidden].
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor signed_sin, at::Tensor slot_mapping,
-                     at::Tensor block_tables, at::Tensor seq_lens, int64_t begin,
-                     int64_t end) const {
+                     at::Tensor block_tables, at::Tensor seq_lens, int64_t begin, int64_t end,
+                     at::Tensor output_rows) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "[T, hidden] bf16");
     TORCH_CHECK(0 <= begin && begin < end && end <= num_layers(), "layers [begin, end)");
     const StepInputs step{cos, signed_sin, slot_mapping, block_tables, seq_lens};
@@ -108,7 +110,10 @@ class DecodeLayers {
     at::Tensor normed = rms_norm(x, layer(begin)[INPUT_NORM], eps_), h, post, mlp;
     for (int64_t i = begin;; ++i) {
       const at::Tensor* t = layer(i);
-      std::tie(h, post) = add_rms_norm(x, attention(normed, t, step), t[POST_NORM], eps_);
+      const bool picks_rows = i + 1 == num_layers() && present(output_rows);
+      const at::Tensor attn = attention(normed, t, step, picks_rows ? &output_rows : nullptr);
+      if (picks_rows) x = x.index_select(0, output_rows);  // [S, hidden]
+      std::tie(h, post) = add_rms_norm(x, attn, t[POST_NORM], eps_);
       mlp = linear(silu_mul(linear(post, t, GATE_UP_WEIGHT)), t, DOWN_WEIGHT);
       if (i + 1 == end) return h + mlp;
       std::tie(x, normed) = add_rms_norm(h, mlp, layer(i + 1)[INPUT_NORM], eps_);
@@ -122,8 +127,10 @@ class DecodeLayers {
     return apply_linear(x, t, slot, gemv_max_rows_);
   }
 
-  // LlamaAttention.forward for decode tokens: [T, hidden] -> [T, hidden].
-  at::Tensor attention(const at::Tensor& x, const at::Tensor* t, const StepInputs& step) const {
+  // LlamaAttention.forward for tokens attending one by one: [T, hidden] -> [T, hidden], or
+  // [S, hidden] for the rows `rows` names (its output projection only for those).
+  at::Tensor attention(const at::Tensor& x, const at::Tensor* t, const StepInputs& step,
+                       const at::Tensor* rows) const {
     const int64_t T = x.size(0), q_size = H_ * D_, kv_size = Hkv_ * D_;
     const at::Tensor qkv = linear(x, t, QKV_WEIGHT);  // [T, (H + 2 Hkv) D]
     const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, H_ + Hkv_, D_});
@@ -132,9 +139,10 @@ class DecodeLayers {
     auto [q, k] = qk_norm_rotary(qk, H_, if_present(t[Q_NORM]), if_present(t[K_NORM]), step.cos,
                                  step.signed_sin, eps_);  // [T, H, D], [T, Hkv, D]
     store_kv(k, v, t[K_CACHE], t[V_CACHE], step.slot_mapping);
-    const at::Tensor out = paged_decode_attention(q, t[K_CACHE], t[V_CACHE], step.block_tables,
-                                                  step.seq_lens, scale_);  // [T, H, D]
-    return linear(out.view({T, q_size}), t, O_WEIGHT);
+    at::Tensor out = paged_decode_attention(q, t[K_CACHE], t[V_CACHE], step.block_tables,
+                                            step.seq_lens, scale_);  // [T, H, D]
+    if (rows != nullptr) out = out.index_select(0, *rows);  // [S, H, D]
+    return linear(out.view({out.size(0), q_size}), t, O_WEIGHT);
   }
 
   std::vector<at::Tensor> tensors_;
@@ -155,6 +163,6 @@ void bind_decode_layers(pybind11::module& m) {
       .def("__call__", &DecodeLayers::forward,
            pybind11::call_guard<pybind11::gil_scoped_release>(),
            "(x [T, hidden] bf16, cos, signed_sin [T, 1, D], slot_mapping [T], block_tables "
-           "[T, max_blocks], seq_lens [T], begin, end) -> [T, hidden] after layers "
-           "[begin, end)");
+           "[T, max_blocks], seq_lens [T], begin, end, output_rows [S] or empty) -> "
+           "[T or S, hidden] after layers [begin, end)");
 }
