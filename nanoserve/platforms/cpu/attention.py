@@ -106,11 +106,17 @@ def per_token_contexts(meta: ReferenceMetadata) -> tuple[torch.Tensor, torch.Ten
     return meta.block_tables.index_select(0, request_of_token), seq_lens
 
 
+def attends_token_by_token(query_lens: list[int]) -> bool:
+    """Whether a step of these chunks ([B] tokens per request) attends through the kernel,
+    each token as a decode query: decode steps, and steps of short chunks (see above)."""
+    return max(query_lens) <= SHORT_CHUNK_TOKENS
+
+
 def with_token_contexts(meta: ReferenceMetadata) -> CpuKernelMetadata:
     """`meta` with its tokens' contexts where the step's chunks are short enough (see above)."""
     fields = {field.name: getattr(meta, field.name) for field in dataclasses.fields(meta)}
     cpu_meta = CpuKernelMetadata(**fields)
-    if not meta.is_decode_only and max(meta.query_lens_list) <= SHORT_CHUNK_TOKENS:
+    if not meta.is_decode_only and attends_token_by_token(meta.query_lens_list):
         cpu_meta.token_contexts = per_token_contexts(meta)
     return cpu_meta
 

@@ -44,7 +44,11 @@ from nanoserve.core.models.llama import (
     LlamaMLP,
 )
 from nanoserve.core.step_layout import StepLayout
-from nanoserve.platforms.cpu.attention import SHORT_CHUNK_TOKENS, CpuKernelAttention, token_contexts
+from nanoserve.platforms.cpu.attention import (
+    CpuKernelAttention,
+    attends_token_by_token,
+    token_contexts,
+)
 from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
 from nanoserve.platforms.cpu.linear import GEMV_CALL_ROWS, PackedLinearMethod, WideningLinearMethod
 from nanoserve.quantization.int8 import Int8LinearMethod
@@ -171,9 +175,8 @@ class FusedDecodeRunner(StepRunner):
     def can_run(self, layout: StepLayout) -> bool:
         """Decode steps, and steps of short prompt chunks (each token attends through the
         paged-decode kernel in the eager runner too), without prompt logprobs."""
-        is_short = layout.is_decode_only or max(layout.query_lens) <= SHORT_CHUNK_TOKENS
         return (
-            is_short
+            attends_token_by_token(layout.query_lens)
             and not layout.prompt_logprob_rows.rows
             and (self.max_tokens is None or len(layout.input_ids) <= self.max_tokens)
         )
