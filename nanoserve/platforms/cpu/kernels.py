@@ -78,15 +78,16 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 RECORD = "built.json"
 # The GEMVs' prefetch distances timed at build (bytes ahead; 0: the hardware prefetcher alone),
-# each streaming int8 and bf16 matrices of TUNING_BYTES (more than most CPUs' L3).
-PREFETCH_CANDIDATES = (0, 4096)
-TUNING_BYTES = 128 << 20
+# each streaming TUNING_LAYER's weights in int8 and bf16, past the caches.
+PREFETCH_CANDIDATES = (0, 2048, 4096)
+TUNING_BYTES = 128 << 20  # the least weight bytes a timing streams (past_the_caches)
+# Raised when what is timed at build changes, so that every install times its build again.
+TUNING_VERSION = 2
 GEMV_MAX_CALL_ROWS = 8  # the most rows one bf16_gemv call takes
 # One decoder layer's weights ([out, in]: qkv, o, gate_up, down of the Qwen3-0.6B shape), the
 # products the GEMV and oneDNN are timed on.
 TUNING_LAYER = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
 GEMV_MARGIN = 0.10  # how much faster the GEMV must be to be worth a second copy of the weights
-TUNING_ROW = 1024
 
 Build = Callable[[Path], ModuleType]
 
@@ -104,7 +105,8 @@ def build_key() -> str:
     digest = hashlib.sha256()
     for source in sorted([*SOURCE_DIR.glob("*.cpp"), *SOURCE_DIR.glob("*.h")]):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    digest.update(" ".join([*CFLAGS, *LDFLAGS, torch.__version__, sys.version]).encode())
+    versions = [torch.__version__, sys.version, f"tuning {TUNING_VERSION}"]
+    digest.update(" ".join([*CFLAGS, *LDFLAGS, *versions]).encode())
     return digest.hexdigest()[:12]
 
 
@@ -260,29 +262,39 @@ def remove_older_builds(directory: Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
-def stream_seconds(module: ModuleType, weights: tuple[torch.Tensor, torch.Tensor]) -> float:
-    """Seconds for the int8 and bf16 GEMVs to stream `weights` once, one row: int8 in row
-    pairs ([N/2, 2K], as quantization/int8.py stores it) and bf16 [N, K]."""
-    int8, bf16 = weights
-    x = torch.ones(1, bf16.shape[1], dtype=torch.bfloat16)
-    scales = torch.ones(2 * int8.shape[0])
+def stream_seconds(module: ModuleType, weights: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Seconds for the int8 and bf16 GEMVs to stream `weights` once, one row: each pair is an
+    int8 weight in row pairs ([N/2, 2K], as quantization/int8.py stores it) and a bf16 [N, K]."""
+    shapes = {tuple(bf16.shape) for _, bf16 in weights}  # [N, K]
+    inputs = {k: torch.ones(1, k, dtype=torch.bfloat16) for _, k in shapes}
+    scales = {n: torch.ones(n) for n, _ in shapes}
     started = time.perf_counter()
-    module.int8_gemv(x, int8, scales)
-    module.bf16_gemv(x, bf16)
+    for int8, bf16 in weights:
+        module.int8_gemv(inputs[bf16.shape[1]], int8, scales[bf16.shape[0]])
+        module.bf16_gemv(inputs[bf16.shape[1]], bf16)
     return time.perf_counter() - started
 
 
+def tuning_weights() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """TUNING_LAYER's weights, int8 (in row pairs) and bf16, repeated past the caches: many
+    layer-sized matrices, as a model's decode step streams them (one matrix as large as all of
+    them favoured another distance than the model's own step did)."""
+    copies = max(1, past_the_caches() // (2 * sum(n * k for n, k in TUNING_LAYER)))
+    return [
+        (torch.ones(n // 2, 2 * k, dtype=torch.int8), torch.ones(n, k, dtype=torch.bfloat16))
+        for n, k in TUNING_LAYER * copies
+    ]
+
+
 def tune_gemv_prefetch(module: ModuleType, rounds: int = 3) -> int:
-    """Set the GEMVs' prefetch distance to the faster of PREFETCH_CANDIDATES on this CPU (the
-    best one differs between CPUs), timed on matrices larger than the caches; returns it."""
-    rows = TUNING_BYTES // TUNING_ROW
-    int8 = torch.ones(rows // 2, 2 * TUNING_ROW, dtype=torch.int8)
-    bf16 = torch.ones(rows // 2, TUNING_ROW, dtype=torch.bfloat16)
+    """Set the GEMVs' prefetch distance to the fastest of PREFETCH_CANDIDATES on this CPU (the
+    best one differs between CPUs), timed on weights larger than the caches; returns it."""
+    weights = tuning_weights()
     best: dict[int, float] = {}
     for _ in range(rounds):  # candidates alternate, so that a noisy machine shifts them all
         for bytes_ahead in PREFETCH_CANDIDATES:
             module.set_gemv_prefetch(bytes_ahead)
-            seconds = stream_seconds(module, (int8, bf16))
+            seconds = stream_seconds(module, weights)
             best[bytes_ahead] = min(best.get(bytes_ahead, seconds), seconds)
     chosen = min(best, key=best.__getitem__)
     module.set_gemv_prefetch(chosen)

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 from nanoserve.platforms.cpu import kernels as cpu_kernels
 from nanoserve.platforms.cpu.kernels import (
@@ -248,7 +249,7 @@ def test_the_gemv_prefetch_distance_is_the_fastest_candidate(monkeypatch):
     assert kernels is not None
     chosen = kernels.gemv_prefetch()
     assert chosen in cpu_kernels.PREFETCH_CANDIDATES  # timed at build, set at load
-    monkeypatch.setattr(cpu_kernels, "TUNING_BYTES", 4 << 20)
+    monkeypatch.setattr(cpu_kernels, "past_the_caches", lambda: 4 << 20)
     real = cpu_kernels.stream_seconds
     try:
         for fastest in cpu_kernels.PREFETCH_CANDIDATES:
@@ -296,3 +297,21 @@ def test_the_gemv_takes_the_sizes_where_it_beats_onednn_by_the_margin(monkeypatc
 def test_the_last_level_cache_is_read_from_sysfs():
     assert cpu_kernels.last_level_cache_bytes() >= 0
     assert cpu_kernels.TUNING_BYTES <= cpu_kernels.past_the_caches() <= 1 << 30
+
+
+def test_the_prefetch_is_timed_on_layer_shaped_weights_past_the_caches(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "past_the_caches", lambda: 64 << 20)
+    weights = cpu_kernels.tuning_weights()
+    layer_bytes = 2 * sum(n * k for n, k in cpu_kernels.TUNING_LAYER)
+    assert len(weights) == len(cpu_kernels.TUNING_LAYER) * ((64 << 20) // layer_bytes)
+    for int8, bf16 in weights:
+        assert tuple(bf16.shape) in cpu_kernels.TUNING_LAYER and bf16.dtype == torch.bfloat16
+        assert int8.dtype == torch.int8 and int8.shape == (bf16.shape[0] // 2, 2 * bf16.shape[1])
+    bf16_bytes = sum(2 * bf16.numel() for _, bf16 in weights)
+    assert (64 << 20) - layer_bytes < bf16_bytes <= 64 << 20
+
+
+def test_a_change_to_the_build_time_timing_asks_for_a_new_build(monkeypatch):
+    before = cpu_kernels.build_key()
+    monkeypatch.setattr(cpu_kernels, "TUNING_VERSION", cpu_kernels.TUNING_VERSION + 1)
+    assert cpu_kernels.build_key() != before
