@@ -18,11 +18,18 @@ A step runs its layers in `LAYER_SPANS` calls and asks between them whether it w
 (`StepLayout.is_abandoned`): when an editor's next keystroke aborts the completion being
 decoded, the keystroke's own step need not wait for the rest of the old one.
 
+Layers with experts in place of the MLP (Qwen3-MoE, Mixtral: `SparseMoeBlock`) run as the CPU
+MoE methods run a decode step (`moe/cpu.py`, `moe/int8.py`): the router's GEMV, the top k, the
+choices added to the expert-load counter, the pairs grouped, the chosen experts' grouped GEMVs,
+the weighted sum; such models' fused steps take up to `GEMV_STEP_TOKENS` tokens, the most the
+grouped GEMVs take.
+
 It takes a model only where every piece of a layer is one the C++ side knows, and says in the
-log why not otherwise: the Llama family's own layers (not a mixture of experts), one rank, a
-KV cache in the model's bf16 attended by the CPU kernel backend, every linear packed for
-oneDNN (its decode products by the GEMV up to the tuned size, as `PackedLinearMethod` does),
-widened with the GEMV, or int8 in row pairs, and the fused layer ops installed.
+log why not otherwise: the Llama family's layers (an MLP, or experts run by the CPU methods
+with every expert on this rank), one rank, a KV cache in the model's bf16 attended by the CPU
+kernel backend, every linear packed for oneDNN (its decode products by the GEMV up to the
+tuned size, as `PackedLinearMethod` does), widened with the GEMV, or int8 in row pairs, and the
+fused layer ops installed.
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ from nanoserve.core.models.llama import (
     LlamaMLP,
 )
 from nanoserve.core.step_layout import StepLayout
+from nanoserve.moe.cpu import GEMV_ROWS_PER_PASS, CpuMoeMethod, PairKernels
+from nanoserve.moe.int8 import GEMV_MAX_TOKENS as INT8_EXPERT_ROWS
+from nanoserve.moe.int8 import Int8MoeMethod, QuantizedExperts
+from nanoserve.moe.layer import ROUTER_GEMV_MAX_TOKENS, SparseMoeBlock
+from nanoserve.moe.models import MoeForCausalLM
 from nanoserve.platforms.cpu.attention import (
     CpuKernelAttention,
     attends_token_by_token,
@@ -86,8 +98,12 @@ def linear_tensors(layer: Linear) -> list[torch.Tensor]:
 
 def most_tokens(model: torch.nn.Module) -> int | None:
     """The most tokens a fused step may run: GEMV_STEP_TOKENS where some linear is not packed
-    (its product is a GEMV whatever the size), else no limit (oneDNN takes any size)."""
+    (its product is a GEMV whatever the size) or the layers have experts (the CPU methods'
+    grouped GEMVs take steps of up to that many tokens), else no limit (oneDNN takes any)."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    has_experts = any(isinstance(m, SparseMoeBlock) for m in model.modules())
+    if has_experts:
+        return min(GEMV_STEP_TOKENS, ROUTER_GEMV_MAX_TOKENS, GEMV_ROWS_PER_PASS, INT8_EXPERT_ROWS)
     if all(isinstance(m.method, PackedLinearMethod) for m in linears):
         return None
     return GEMV_STEP_TOKENS
@@ -111,14 +127,48 @@ def check_ops(*modules: Any) -> None:
             raise NotFusable("the fused layer ops are not installed")
 
 
+def expert_tensors(block: SparseMoeBlock) -> list[torch.Tensor]:
+    """(router, w13, its scales, w2, its scales, expert-load counter) of a layer's experts, as
+    the C++ side reads them: bf16 experts of the CPU method, or int8 ones in row pairs."""
+    method = block.method
+    if block.shard.count != block.num_experts:
+        raise NotFusable("experts spread over ranks (expert parallelism)")
+    if method.router_gemv is None or not isinstance(method.pairs, PairKernels):
+        raise NotFusable("an MoE router or pair grouping not through the kernels")
+    if block.expert_load is None:  # the counter the eager steps create at their first
+        block.expert_load = torch.zeros(block.num_experts, dtype=torch.int64)
+    if isinstance(method, Int8MoeMethod) and method.gemv is not None:
+        w13 = cast(QuantizedExperts, block.int8_w13)
+        w2 = cast(QuantizedExperts, block.int8_w2)
+        if not w13.paired:
+            raise NotFusable("int8 experts not in row pairs")
+        experts = [w13.values, w13.scales, w2.values, w2.scales]
+    elif type(method) is CpuMoeMethod and block.w13.dtype == torch.bfloat16:
+        experts = [block.w13, ABSENT, block.w2, ABSENT]
+    else:
+        raise NotFusable(f"experts run by {type(method).__name__}")
+    return [block.gate, *experts, block.expert_load]
+
+
+def mlp_tensors(mlp: torch.nn.Module) -> list[torch.Tensor]:
+    """The MLP slots, then the experts' (`expert_tensors`): one of the two is absent."""
+    check_ops(mlp)
+    if isinstance(mlp, SparseMoeBlock):
+        return [ABSENT] * 8 + expert_tensors(mlp)
+    if type(mlp) is not LlamaMLP:
+        raise NotFusable(f"a layer whose MLP is a {type(mlp).__name__}")
+    dense = cast(LlamaMLP, mlp)
+    return [*linear_tensors(dense.gate_up_proj), *linear_tensors(dense.down_proj), *[ABSENT] * 6]
+
+
 def layer_tensors(layer: LlamaDecoderLayer, dtype: torch.dtype) -> list[torch.Tensor]:
     """One decoder layer's tensors in `decode_layers.cpp`'s `Slot` order."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
-        raise NotFusable(f"a layer of {type(attn).__name__} and {type(mlp).__name__}")
+    attn = layer.self_attn
+    if type(attn) is not LlamaAttention:
+        raise NotFusable(f"a layer of {type(attn).__name__}")
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
-    check_ops(attn, mlp, *norms)
+    check_ops(attn, *norms)
     if any(norm.weight.dtype != dtype for norm in norms):
         raise NotFusable("norm weights in another dtype than the activations")
     cache = attn.attn
@@ -133,8 +183,7 @@ def layer_tensors(layer: LlamaDecoderLayer, dtype: torch.dtype) -> list[torch.Te
         *q_norm,
         *linear_tensors(attn.o_proj),
         layer.post_attention_layernorm.weight,
-        *linear_tensors(mlp.gate_up_proj),
-        *linear_tensors(mlp.down_proj),
+        *mlp_tensors(layer.mlp),
         cache.k_cache,
         cache.v_cache,
     ]
@@ -157,7 +206,12 @@ def fused_layers(model: torch.nn.Module, kernels: ModuleType) -> Any:
     attn = layers[0].self_attn
     eps, scale = epsilons.pop(), attn.attn.scale
     heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-    return kernels.DecodeLayers(tensors, *heads, eps, scale, gemv_rows(model))
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    routing = {(b.top_k, b.renormalize) for b in blocks} or {(0, False)}
+    [(top_k, renormalize)] = routing  # one model config: the same for every sparse layer
+    return kernels.DecodeLayers(
+        tensors, *heads, eps, scale, gemv_rows(model), top_k=top_k, renormalize=renormalize
+    )
 
 
 class FusedDecodeRunner(StepRunner):
@@ -198,6 +252,8 @@ class FusedDecodeRunner(StepRunner):
             if begin > 0 and layout.is_abandoned():
                 raise StepAbandoned
             x = self.layers(x, *step, begin, end, rows)
+        if isinstance(self.model, MoeForCausalLM):
+            self.model.load_log.maybe_log(self.model, x.device)
         return model.norm(x)
 
 

@@ -13,7 +13,7 @@
     moe_group, moe_combine  an MoE step's (token, expert) pairs grouped by expert, and the
                             experts' outputs summed back per token (moe/cpu.py)
     DecodeLayers            a decode step through every decoder layer in one call, with the
-                            kernels above (fused_decode.py)
+                            kernels above (fused_decode.py), experts included
 
 PyTorch's own ops are correct but, for a decode step's short rows, cost their dispatch rather
 than their arithmetic (and PyTorch's int8 kernel converts more slowly than memory delivers).

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_checkpoints import ARCHITECTURES, make_tiny_checkpoint
+import torch
+from tiny_checkpoints import ARCHITECTURES, MOE_ARCHITECTURES, make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
@@ -88,6 +89,27 @@ def test_fused_decode_gives_the_eager_runners_logprobs(
     assert set(counted_fused_steps) == set(range(1, (most or len(prompts)) + 1))
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
+def test_layers_with_experts_decode_fused_with_the_eager_runners_logprobs_and_expert_load(
+    tmp_path, architecture, quantization, counted_fused_steps
+):
+    checkpoint = make_tiny_checkpoint(tmp_path, architecture)
+    fused = build(checkpoint, quantization=quantization)
+    eager = build(checkpoint, quantization=quantization, enforce_eager=True)
+    assert "cpu-fused-decode" in runner_names(fused)
+    assert fused_runner(fused).max_tokens == GEMV_STEP_TOKENS  # the grouped GEMVs' steps
+    rng = random.Random(1)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (3, 17, 40, 9, 30, 5, 12, 2, 21)]
+    # One request, then nine: eager decode steps until the batch is down to eight.
+    for batch in (prompts[:1], prompts):
+        assert run(fused, batch) == run(eager, batch)
+    assert set(counted_fused_steps) == set(range(1, GEMV_STEP_TOKENS + 1))
+    # Every step's choices were counted, fused or not: the same load as the eager engine's.
+    load = fused.model.expert_load()
+    assert torch.equal(load, eager.model.expert_load()) and load.sum() > 0
+
+
 def fused_runner(engine) -> FusedDecodeRunner:
     [runner] = [
         r
@@ -117,7 +139,7 @@ def test_prompt_chunks_and_steps_past_a_gemvs_size_go_to_the_eager_runner(
     [
         ("qwen3", {"dtype": "float32"}),  # the GEMVs take bf16
         ("qwen3", {"kv_cache_dtype": "fp8"}),  # the attention reads an FP8 cache
-        ("qwen3_moe", {}),  # the layers' MLP is a mixture of experts
+        ("qwen3_moe", {"kv_cache_dtype": "fp8"}),  # with experts too
     ],
 )
 def test_models_with_a_piece_it_does_not_know_decode_layer_by_layer(

@@ -11,7 +11,8 @@
 // It holds no GIL while it runs.
 //
 // Each layer is SLOTS tensors, in the order of `Slot` below; an absent one (no bias, no q/k
-// norm, no int8 scales) is an empty tensor. A linear is (weight, scales, bias, packed): with
+// norm, no int8 scales, the dense MLP of a layer with experts and the other way round) is an
+// empty tensor. A linear is (weight, scales, bias, packed): with
 // scales it is int8 (row pairs, as int8_gemv takes them); else a step of up to gemv_max_rows
 // tokens streams the plain bf16 weight through bf16_gemv, and a larger one (or one whose
 // plain weight was not kept) multiplies by oneDNN's packed weight, as PackedLinearMethod does.
@@ -33,6 +34,11 @@ enum Slot {
   POST_NORM,  // [hidden]
   GATE_UP_WEIGHT, GATE_UP_SCALES, GATE_UP_BIAS, GATE_UP_PACKED,  // [2 I, hidden]
   DOWN_WEIGHT, DOWN_SCALES, DOWN_BIAS, DOWN_PACKED,  // [hidden, I]
+  // A layer with experts in place of the MLP (moe/layer.py's SparseMoeBlock): the router
+  // [E, hidden] bf16; the stacked experts, bf16 [E, 2I, hidden] and [E, hidden, I], or int8 in
+  // row pairs with float32 scales [E, 2I] and [E, hidden] (moe/int8.py); the expert-load
+  // counter [E] int64 that each step's choices are added to.
+  ROUTER, W13, W13_SCALES, W2, W2_SCALES, EXPERT_LOAD,
   K_CACHE, V_CACHE,  // [num_blocks, block_size, Hkv, D]
   SLOTS
 };
@@ -87,9 +93,11 @@ struct StepInputs {
 class DecodeLayers {
  public:
   DecodeLayers(std::vector<at::Tensor> tensors, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_dim, double eps, double scale, int64_t gemv_max_rows)
+               int64_t head_dim, double eps, double scale, int64_t gemv_max_rows,
+               int64_t top_k, bool renormalize)
       : tensors_(std::move(tensors)), H_(num_heads), Hkv_(num_kv_heads), D_(head_dim),
-        eps_(eps), scale_(scale), gemv_max_rows_(gemv_max_rows) {
+        eps_(eps), scale_(scale), gemv_max_rows_(gemv_max_rows), top_k_(top_k),
+        renormalize_(renormalize) {
     TORCH_CHECK(!tensors_.empty() && tensors_.size() % SLOTS == 0, "SLOTS tensors per layer");
   }
 
@@ -114,7 +122,8 @@ class DecodeLayers {
       const at::Tensor attn = attention(normed, t, step, picks_rows ? &output_rows : nullptr);
       if (picks_rows) x = x.index_select(0, output_rows);  // [S, hidden]
       std::tie(h, post) = add_rms_norm(x, attn, t[POST_NORM], eps_);
-      mlp = linear(silu_mul(linear(post, t, GATE_UP_WEIGHT)), t, DOWN_WEIGHT);
+      mlp = present(t[ROUTER]) ? experts(post, t)
+                               : linear(silu_mul(linear(post, t, GATE_UP_WEIGHT)), t, DOWN_WEIGHT);
       if (i + 1 == end) return h + mlp;
       std::tie(x, normed) = add_rms_norm(h, mlp, layer(i + 1)[INPUT_NORM], eps_);
     }
@@ -145,19 +154,46 @@ class DecodeLayers {
     return linear(out.view({out.size(0), q_size}), t, O_WEIGHT);
   }
 
+  // SparseMoeBlock.forward as the CPU methods run a decode step of up to 8 tokens (moe/cpu.py,
+  // moe/int8.py): the router's product by the GEMV, routing as moe/routing.py's `route` does
+  // (softmax in float32, PyTorch's topk: ties resolve as in transformers), the choices counted,
+  // the (token, expert) pairs grouped, each chosen expert's rows streamed once for its tokens,
+  // and the outputs summed back by the routing weights. [T, hidden] -> [T, hidden]
+  at::Tensor experts(const at::Tensor& x, const at::Tensor* t) const {
+    const at::Tensor probs = at::softmax(bf16_gemv(x, t[ROUTER]), -1, at::kFloat);  // [T, E]
+    auto [weights, expert_ids] = at::topk(probs, top_k_, -1);  // [T, k] each
+    if (renormalize_) weights = weights / weights.sum(-1, true);
+    const at::Tensor choices = expert_ids.flatten();  // [T k]
+    t[EXPERT_LOAD].index_add_(0, choices, at::ones_like(choices));
+    const auto [token_index, pair_weights, expert_of, ids, offsets] =
+        moe_group(expert_ids, weights, 0, t[ROUTER].size(0));  // [A] ... [U], [U + 1]
+    const auto grouped = [&](const at::Tensor& rows, Slot slot) {  // [A, in] -> [A, out]
+      if (present(t[slot + 1])) return moe_int8_gemv(rows, t[slot], t[slot + 1], ids, offsets);
+      return moe_bf16_gemv(rows, t[slot], ids, offsets);
+    };
+    const at::Tensor gate_up = grouped(x.index_select(0, token_index), W13);  // [A, 2I]
+    return moe_combine(x, token_index, pair_weights, grouped(silu_mul(gate_up), W2));
+  }
+
   std::vector<at::Tensor> tensors_;
   int64_t H_, Hkv_, D_;
   double eps_, scale_;
   int64_t gemv_max_rows_;  // the most tokens a bf16 linear with a packed weight streams
+  int64_t top_k_;          // experts per token (layers with experts)
+  bool renormalize_;       // the top k's weights renormalized to sum to one
 };
 
 void bind_decode_layers(pybind11::module& m) {
   pybind11::class_<DecodeLayers>(m, "DecodeLayers",
                                  "every decoder layer of a Llama-family model, for decode steps")
       .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double,
-                          int64_t>(),
+                          int64_t, int64_t, bool>(),
            "(tensors: SLOTS per layer, num_heads, num_kv_heads, head_dim, eps, scale, "
-           "gemv_max_rows)")
+           "gemv_max_rows, top_k, renormalize)",
+           pybind11::arg("tensors"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
+           pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
+           pybind11::arg("gemv_max_rows"), pybind11::arg("top_k") = 0,
+           pybind11::arg("renormalize") = false)
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       .def_property_readonly_static("slots", [](pybind11::object) { return int64_t{SLOTS}; })
       .def("__call__", &DecodeLayers::forward,
