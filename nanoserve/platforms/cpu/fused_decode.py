@@ -9,10 +9,11 @@ which runs the reference layer's ops in the reference's order through the same k
 eager step calls: the embedding, the RoPE tables, the final norm and the LM head stay in
 Python, and the hidden states are bit for bit the eager runner's. Drafts to verify are laid
 out as decode tokens (`step_layout.py`) and come here too, and so do steps whose prompt chunks
-are short enough that the kernel backend attends their tokens one by one (an editor's next
-keystroke after one that never ran: a few new tokens over a cached document): the last layer
-then finishes only the rows that sample, as the eager model does. Longer prompt chunks (and,
-where a GEMV limits them, larger batches) go to the runners after it.
+the kernel backend attends token by token (`attends_token_by_token`: an editor's next
+keystroke after one that never ran, a few new tokens over a cached document; a short prompt
+with little cached): the last layer then finishes only the rows that sample, as the eager
+model does. Other prompt chunks (and, where a GEMV limits them, larger batches) go to the
+runners after it.
 
 A step runs its layers in `LAYER_SPANS` calls and asks between them whether it was abandoned
 (`StepLayout.is_abandoned`): when an editor's next keystroke aborts the completion being
@@ -230,7 +231,7 @@ class FusedDecodeRunner(StepRunner):
         """Decode steps, and steps of short prompt chunks (each token attends through the
         paged-decode kernel in the eager runner too), without prompt logprobs."""
         return (
-            attends_token_by_token(layout.query_lens)
+            attends_token_by_token(layout)
             and not layout.prompt_logprob_rows.rows
             and (self.max_tokens is None or len(layout.input_ids) <= self.max_tokens)
         )

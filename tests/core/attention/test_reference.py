@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nanoserve.core.attention.reference import ReferenceAttention, build_reference_metadata
+from nanoserve.core.step_layout import StepLayout
 from nanoserve.platforms.cpu.attention import (
     SHORT_CHUNK_TOKENS,
     CpuKernelAttention,
@@ -54,8 +55,10 @@ def test_mixed_steps_match_naive_attention(seed, backend):
     shapes += [
         (rng.choice([0, 4, 7, 12]), rng.randrange(2, 11)) for _ in range(rng.randrange(1, 4))
     ]
-    if seed % 2:  # a chunk longer than the CPU backend's short ones: SDPA over the context
+    if seed % 2:  # a chunk longer than the CPU backend's short ones, but few pairs: the kernel
         shapes.append((rng.choice([0, 5]), SHORT_CHUNK_TOKENS + 3))
+    if seed == 3:  # one whose tokens see more keys than the kernel takes: SDPA over the context
+        shapes.append((0, 91))  # 91 * 92 / 2 pairs > TOKEN_BY_TOKEN_PAIRS
     query_lens, seq_lens, tables, slots = [], [], [], []
     full_keys, full_values, query_positions = [], [], []
     for num_cached, num_new in shapes:
@@ -84,7 +87,8 @@ def test_mixed_steps_match_naive_attention(seed, backend):
         ReferenceAttention() if backend == "reference" else CpuKernelAttention(load_cpu_kernels())
     )
     if backend == "cpu":  # as its build_metadata gives it: short chunks' tokens as decodes
-        meta = with_token_contexts(meta)
+        meta = with_token_contexts(meta, StepLayout(query_lens=query_lens, seq_lens=seq_lens))
+        assert (meta.token_contexts is None) == (seed == 3)
     got = attention.forward(query, new_k, new_v, k_cache, v_cache, meta, 0.35)
 
     start = 0

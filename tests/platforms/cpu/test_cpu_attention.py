@@ -12,8 +12,9 @@ from nanoserve.core.attention.reference import (
     decode_group_attention,
     write_kv,
 )
+from nanoserve.core.step_layout import StepLayout
 from nanoserve.platforms.cpu import kernels as cpu_kernels
-from nanoserve.platforms.cpu.attention import CpuKernelAttention
+from nanoserve.platforms.cpu.attention import CpuKernelAttention, attends_token_by_token
 from nanoserve.platforms.cpu.fast_paths import CpuPaths
 
 CPU = torch.device("cpu")
@@ -177,3 +178,23 @@ def test_store_kv_writes_what_index_copy_writes(kernels, dtype):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     with pytest.raises(RuntimeError, match="slot 24 of 24"):
         kernels.store_kv(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 24]))
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "one_by_one"),
+    [
+        ([1] * 8, [3000] * 8, True),  # decode tokens
+        ([16], [5000], True),  # a few new tokens over a long document
+        ([17], [1500], False),  # more, over a long one: 25,364 pairs
+        ([90], [90], True),  # a cold prompt: 4,095 pairs
+        ([91], [91], False),  # 4,186 pairs
+        ([32, 1], [128, 50], True),  # 32 new tokens over 96 cached (3,600 pairs), a decode
+        ([60, 40], [60, 40], True),  # two cold prompts: 1,830 + 820 pairs
+        ([60, 60], [60, 100], False),  # a cold prompt and 60 over 40 cached: 1,830 + 4,230
+    ],
+)
+def test_chunks_attend_token_by_token_while_their_tokens_see_few_keys(
+    query_lens, seq_lens, one_by_one
+):
+    layout = StepLayout(query_lens=query_lens, seq_lens=seq_lens)
+    assert attends_token_by_token(layout) == one_by_one
