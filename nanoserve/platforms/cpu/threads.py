@@ -7,15 +7,19 @@ times slower than one (benchmarks/RESULTS.md). The cores a worker can use change
 so the count is measured, not guessed: `ThreadGovernor` times the decode steps and now and then
 runs a few of them at a neighbouring count, interleaved with the current one; the faster count
 wins. A probe starts at once, toward fewer threads, when the current count's steps suddenly slow
-down (a process took a core), and otherwise at intervals that grow while the answer stays the
-same; a probe ends at the first timed step of the other count that is plainly slower than usual,
-since on a busy core each such step costs many ordinary ones. A step that gives a request its
-first token is never probed (nor timed): after the prefix cache an editor's next keystroke is a
-one-token step, and its time to first token must not be the one run at the slower count.
+down, two in a row (a process took a core), and otherwise at intervals that grow while the
+answer stays the same; a probe ends at the first timed step of the other count that is plainly
+slower than usual, since on a busy core each such step costs many ordinary ones. A step that
+gives a request its first token is never probed (nor timed): after the prefix cache an editor's
+next keystroke is a one-token step, and its time to first token must not be the one run at the
+slower count.
 
 `GovernedRunner` is the step runner that applies it: it sets the count (`torch.set_num_threads`,
 which the C++ kernels' OpenMP regions and oneDNN share) before each step and reports the step's
-time.
+time, up to the end of its LM head's product (a large part of a small model's step, and as
+sensitive to the count as the layers). A probe's verdict goes by each count's fastest step:
+a kernel thread or a page fault now and then slows a step of two threads down, and a
+median of three such steps once made one thread look faster on a quiet machine.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ PROBE_STEPS = 3  # decode steps timed at each count in one probe (after one that
 FIRST_PROBE_AFTER_STEPS = 4  # early: a machine busy from the start shows no slowdown
 MIN_PROBE_INTERVAL_S = 1.0
 MAX_PROBE_INTERVAL_S = 16.0
-SWITCH_MARGIN = 0.9  # another count must be this much faster (its median step time) to win
-SLOWDOWN_FACTOR = 2.0  # a current step this much slower than usual starts a probe at once
+SWITCH_MARGIN = 0.9  # another count must be this much faster (its fastest step) to win
+SLOWDOWN_FACTOR = 2.0  # current steps this much slower than usual start a probe at once,
+SLOW_STEPS_TO_PROBE = 2  # this many in a row (one alone is more often a fault than a lost core)
 GIVE_UP_FACTOR = 1.5  # a probed count's step this much slower than usual ends the probe
 BASELINE_STEPS = 8  # recent steps at the current count that make "usual"
 
@@ -61,6 +66,7 @@ class ThreadGovernor:
         self.next_probe_at = float("inf")  # set after the first decode steps
         self.num_decode_steps = 0
         self.recent: list[float] = []  # seconds of the last decode steps at the current count
+        self.slow_steps = 0  # the last steps in a row that were much slower than usual
         self.probe: list[int] = []  # the counts of the probe's remaining steps, in order
         self.samples: dict[int, list[float]] = {}  # the probe's step times by count
 
@@ -78,13 +84,15 @@ class ThreadGovernor:
         if self.probe:
             self._record_probe(threads, seconds)
             return
-        is_slowdown = len(self.recent) >= BASELINE_STEPS and seconds > SLOWDOWN_FACTOR * (
+        is_slow = len(self.recent) >= BASELINE_STEPS and seconds > SLOWDOWN_FACTOR * (
             statistics.median(self.recent)
         )
+        self.slow_steps = self.slow_steps + 1 if is_slow else 0
         self.recent = [*self.recent, seconds][-BASELINE_STEPS:]
         if self.num_decode_steps == FIRST_PROBE_AFTER_STEPS:
             self.next_probe_at = self.clock()
-        if is_slowdown and self.threads > 1:  # fewer cores now: fewer threads may be faster
+        if self.slow_steps >= SLOW_STEPS_TO_PROBE and self.threads > 1:  # fewer cores now?
+            self.slow_steps, self.recent = 0, []  # what was usual may be no longer
             self._start_probe(self.threads - 1)
             self.interval_s = MIN_PROBE_INTERVAL_S
         elif self.clock() >= self.next_probe_at:
@@ -111,9 +119,14 @@ class ThreadGovernor:
             self._decide()
 
     def _decide(self) -> None:
+        """The count whose fastest step is faster by the margin wins: something else on the
+        machine (a kernel thread, a page fault) only ever slows a step down, so each count's
+        fastest step is its own speed, while a core taken for good slows them all. The current
+        count's usual step counts too (unless a slowdown started the probe)."""
         current, other = self.samples
-        current_s = statistics.median(self.samples[current] or [float("inf")])
-        other_s = statistics.median(self.samples[other] or [float("inf")])
+        usual = statistics.median(self.recent) if self.recent else float("inf")
+        current_s = min([*self.samples[current], usual])
+        other_s = min(self.samples[other] or [float("inf")])
         if other_s < SWITCH_MARGIN * current_s:
             logger.info(
                 "compute threads %d -> %d (a decode step %.1f -> %.1f ms)",
@@ -140,6 +153,7 @@ class GovernedRunner(StepRunner):
         self.runners = runners
         self.governor = governor
         self._current = runners[-1]
+        self._step: tuple[StepLayout, int, float] | None = None  # run, its logits not yet
         self.name = "adaptive-threads(" + ", ".join(r.name for r in runners) + ")"
 
     def run(self, layout: StepLayout) -> torch.Tensor:  # [S + P, hidden]
@@ -147,13 +161,17 @@ class GovernedRunner(StepRunner):
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         self._current = next(r for r in self.runners if r.can_run(layout))
-        started = time.perf_counter()
-        hidden = self._current.run(layout)
-        self.governor.observe(layout, threads, time.perf_counter() - started)
-        return hidden
+        self._step = (layout, threads, time.perf_counter())
+        return self._current.run(layout)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._current.logits(hidden)
+        """The LM head's product, at the step's count too: the step is timed up to its end."""
+        logits = self._current.logits(hidden)
+        if self._step is not None:
+            layout, threads, started = self._step
+            self.governor.observe(layout, threads, time.perf_counter() - started)
+            self._step = None
+        return logits
 
     def close(self) -> None:
         for runner in self.runners:
