@@ -228,8 +228,9 @@ class FusedDecodeRunner(StepRunner):
         self.spans = layer_spans(layers.num_layers, LAYER_SPANS)
 
     def can_run(self, layout: StepLayout) -> bool:
-        """Decode steps, and steps of short prompt chunks (each token attends through the
-        paged-decode kernel in the eager runner too), without prompt logprobs."""
+        """Decode steps, and steps of prompt chunks whose tokens attend one by one through
+        the paged-decode kernel in the eager runner too (short chunks, or few keys in all),
+        without prompt logprobs."""
         return (
             attends_token_by_token(layout)
             and not layout.prompt_logprob_rows.rows
