@@ -275,14 +275,19 @@ def stream_seconds(module: ModuleType, weights: list[tuple[torch.Tensor, torch.T
     return time.perf_counter() - started
 
 
-def tuning_weights() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """TUNING_LAYER's weights, int8 (in row pairs) and bf16, repeated past the caches: many
+def tuning_shapes() -> list[tuple[int, int]]:
+    """TUNING_LAYER's shapes, repeated until their bf16 weights stream past the caches: many
     layer-sized matrices, as a model's decode step streams them (one matrix as large as all of
-    them favoured another distance than the model's own step did)."""
+    them favoured another prefetch distance than the model's own step did)."""
     copies = max(1, past_the_caches() // (2 * sum(n * k for n, k in TUNING_LAYER)))
+    return TUNING_LAYER * copies
+
+
+def tuning_weights() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`tuning_shapes`' weights in int8 (in row pairs) and in bf16."""
     return [
         (torch.ones(n // 2, 2 * k, dtype=torch.int8), torch.ones(n, k, dtype=torch.bfloat16))
-        for n, k in TUNING_LAYER * copies
+        for n, k in tuning_shapes()
     ]
 
 
@@ -310,8 +315,7 @@ def tune_gemv_rows(module: ModuleType, rounds: int = 3) -> int:
     TUNING_LAYER's shapes, repeated past the last-level cache (a model's weights do not fit
     in it: what comes from memory is what counts); where oneDNN cannot pack bf16,
     GEMV_MAX_CALL_ROWS. Sets and returns it."""
-    copies = max(1, past_the_caches() // (2 * sum(n * k for n, k in TUNING_LAYER)))
-    weights = [torch.ones(n, k, dtype=torch.bfloat16) for n, k in TUNING_LAYER * copies]
+    weights = [torch.ones(n, k, dtype=torch.bfloat16) for n, k in tuning_shapes()]
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
     except (RuntimeError, AttributeError):  # no bf16 packing here (AVX2 only)
