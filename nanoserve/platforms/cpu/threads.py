@@ -84,8 +84,8 @@ class ThreadGovernor:
         if self.probe:
             self._record_probe(threads, seconds)
             return
-        is_slow = len(self.recent) >= BASELINE_STEPS and seconds > SLOWDOWN_FACTOR * (
-            statistics.median(self.recent)
+        is_slow = (
+            len(self.recent) >= BASELINE_STEPS and seconds > SLOWDOWN_FACTOR * self._usual_step()
         )
         self.slow_steps = self.slow_steps + 1 if is_slow else 0
         self.recent = [*self.recent, seconds][-BASELINE_STEPS:]
@@ -108,12 +108,15 @@ class ThreadGovernor:
         self.probe = [self.threads, other] * (PROBE_STEPS + 1)
         self.samples = {self.threads: [], other: []}
 
+    def _usual_step(self) -> float:
+        """Seconds of the current count's usual decode step (none known yet: infinity)."""
+        return statistics.median(self.recent) if self.recent else float("inf")
+
     def _record_probe(self, threads: int, seconds: float) -> None:
         expected = self.probe.pop(0)
         if threads == expected and len(self.probe) < 2 * PROBE_STEPS:  # past the warm-up pair
             self.samples[threads].append(seconds)
-            usual = statistics.median(self.recent) if self.recent else float("inf")
-            if threads != self.threads and seconds > GIVE_UP_FACTOR * usual:
+            if threads != self.threads and seconds > GIVE_UP_FACTOR * self._usual_step():
                 self.probe = []  # plainly slower (a pair on one free core): no more such steps
         if not self.probe:
             self._decide()
@@ -124,8 +127,7 @@ class ThreadGovernor:
         fastest step is its own speed, while a core taken for good slows them all. The current
         count's usual step counts too (unless a slowdown started the probe)."""
         current, other = self.samples
-        usual = statistics.median(self.recent) if self.recent else float("inf")
-        current_s = min([*self.samples[current], usual])
+        current_s = min([*self.samples[current], self._usual_step()])
         other_s = min(self.samples[other] or [float("inf")])
         if other_s < SWITCH_MARGIN * current_s:
             logger.info(
