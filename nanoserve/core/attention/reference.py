@@ -4,7 +4,8 @@ is tested against.
 - decode tokens (one query per request) attend in one padded, batched pass over the gathered
   contexts (`decode_group_attention`; a lone request through `F.scaled_dot_product_attention`);
 - prompt tokens attend request by request with `F.scaled_dot_product_attention` (CPU's flash
-  kernel), causal within the new tokens and over all of a cached prefix (`prompt_attention`).
+  kernel), causal within the new tokens and over all of a cached prefix (`prompt_attention`,
+  each chunk through `chunk_attention`).
 
 Its metadata adds the masks and gather indices it attends with to the shared fields, and splits a
 mixed step (decodes first, then prompt chunks) into two parts that attend separately.
@@ -48,10 +49,38 @@ DecodeAttention = Callable[
 ]
 
 
+# (queries [Q, H, D], keys [K, Hkv, D], values [K, Hkv, D], mask [Q, K] or None, scale) ->
+# [Q, H, D]: how one prompt chunk attends over its context (None: plain causal, Q == K).
+ChunkAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor
+]
+
+
+def chunk_attention(
+    query: torch.Tensor,  # [Q, H, D]
+    key: torch.Tensor,  # [K, Hkv, D]
+    value: torch.Tensor,  # [K, Hkv, D]
+    mask: torch.Tensor | None,  # [Q, K]: True where the query sees the key; None: causal
+    scale: float,
+) -> torch.Tensor:  # [Q, H, D]
+    """One SDPA call (CPU's flash kernel takes the mask and grouped heads as they are)."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],  # [1, H, Q, D]
+        key.transpose(0, 1)[None],  # [1, Hkv, K, D]
+        value.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, H, Q, D]
+    return out[0].transpose(0, 1)  # [Q, H, D] (SDPA's own layout: contiguous)
+
+
 class ReferenceAttention(AttentionBackend):
     """Index-copy the new K/V into their slots, then attend with plain torch ops."""
 
     name = "reference"
+    attend_chunk = staticmethod(chunk_attention)  # how a prompt chunk attends (subclasses: kernels)
 
     def build_metadata(
         self, layout: StepLayout, block_size: int, device: torch.device
@@ -76,7 +105,8 @@ class ReferenceAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale, (k, v), self.attend_decodes)
+        attend = (self.attend_decodes, self.attend_chunk)  # kernels a subclass may bring
+        return paged_attention(q, k_cache, v_cache, meta, scale, (k, v), *attend)
 
     def attend_decodes(
         self,
@@ -163,6 +193,7 @@ def paged_attention(
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's [T, Hkv, D] K and V
     attend_decodes: DecodeAttention | None = None,  # default: decode_group_attention
+    attend_chunk: ChunkAttention | None = None,  # default: chunk_attention
 ) -> torch.Tensor:  # [T, H, D]
     """Attend every query token over its request's context in the pool.
 
@@ -175,11 +206,13 @@ def paged_attention(
         n = meta.num_decode_tokens
         prompt_kv = None if new_kv is None else (new_kv[0][n:], new_kv[1][n:])
         decodes = attend_decodes(query[:n], k_cache, v_cache, decode, scale)  # [n, H, D]
-        prompts = prompt_attention(query[n:], k_cache, v_cache, prompt, scale, prompt_kv)
+        prompts = prompt_attention(
+            query[n:], k_cache, v_cache, prompt, scale, prompt_kv, attend_chunk
+        )
         return torch.cat([decodes, prompts])  # [T, H, D]
     if meta.is_decode_only:
         return attend_decodes(query, k_cache, v_cache, meta, scale)
-    return prompt_attention(query, k_cache, v_cache, meta, scale, new_kv)
+    return prompt_attention(query, k_cache, v_cache, meta, scale, new_kv, attend_chunk)
 
 
 def decode_group_attention(
@@ -226,14 +259,16 @@ def prompt_attention(
     meta: ReferenceMetadata,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's [T, Hkv, D] K and V
+    attend_chunk: ChunkAttention | None = None,  # default: chunk_attention
 ) -> torch.Tensor:  # [T, H, D]
-    """Request by request: gather the context (cached prefix + new tokens), then one SDPA call.
+    """Request by request: gather the context (cached prefix + new tokens), then attend.
 
     Without padding, a prompt chunk costs what its own queries and context cost, whatever else
-    runs in the step; CPU's flash kernel takes the mask and grouped heads as they are. A prompt
-    without a cached prefix attends over `new_kv` directly when given (no gather).
+    runs in the step. A prompt without a cached prefix attends over `new_kv` directly when given
+    (no gather).
     """
     assert meta.prompt_masks is not None, "not a prompt group"
+    attend_chunk = attend_chunk or chunk_attention
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     block_size = k_cache.shape[1]
     outputs = []
@@ -250,15 +285,6 @@ def prompt_attention(
             k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:num_keys]
             v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:num_keys]
         q = query[start : start + num_queries]  # [Q_i, H, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],  # [1, H, Q_i, D]
-            k.transpose(0, 1)[None].to(q.dtype),  # [1, Hkv, K_i, D], widened from fp8
-            v.transpose(0, 1)[None].to(q.dtype),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )  # [1, H, Q_i, D]
-        outputs.append(out[0].transpose(0, 1))  # [Q_i, H, D]
+        outputs.append(attend_chunk(q, k.to(q.dtype), v.to(q.dtype), mask, scale))  # fp8 widened
         start += num_queries
-    return torch.cat(outputs)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -19,7 +19,9 @@ chunks while the step's (token, key) pairs are few (`TOKEN_BY_TOKEN_PAIRS`: a sh
 with little or nothing cached, the first request of a chat): the kernel computes each token's
 scores alone, a dot product per key, which costs more per pair than SDPA's blocks but little
 at such sizes, and such a step can then run fused (`fused_decode.py`). Other prompt chunks
-attend as in the reference backend (SDPA's flash kernel over the gathered context).
+attend as in the reference backend: over the gathered context, through our AMX kernel
+(`csrc/prompt_attention.cpp`: flash attention whose two products run on the tile units) where the
+CPU has AMX and the chunk is bf16, else through SDPA's flash kernel.
 """
 
 from __future__ import annotations
@@ -59,12 +61,14 @@ class CpuKernelMetadata(ReferenceMetadata):
 
 
 class CpuKernelAttention(ReferenceAttention):
-    """Reference attention whose decode tokens, and short chunks, take the paged-decode kernel."""
+    """Reference attention whose decode tokens, and short chunks, take the paged-decode kernel,
+    and whose longer prompt chunks take the AMX kernel where there is one."""
 
     name = "cpu"
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
+        self.amx_prompts = kernels.prompt_attention_is_available()
 
     def build_metadata(
         self, layout: StepLayout, block_size: int, device: torch.device
@@ -100,6 +104,28 @@ class CpuKernelAttention(ReferenceAttention):
         return self.kernels.paged_decode_attention(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
         )
+
+    def attend_chunk(
+        self,
+        query: torch.Tensor,  # [Q, H, D]
+        key: torch.Tensor,  # [K, Hkv, D]
+        value: torch.Tensor,  # [K, Hkv, D]
+        mask: torch.Tensor | None,  # [Q, K], causal aligned to the last key; None: Q == K
+        scale: float,
+    ) -> torch.Tensor:  # [Q, H, D]
+        if self.amx_prompts and takes_amx_chunk(query, key, value):
+            return self.kernels.prompt_attention(query, key, value, scale)
+        return super().attend_chunk(query, key, value, mask, scale)
+
+
+def takes_amx_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the AMX prompt kernel takes these: bf16 CPU tensors, head dims a multiple of 32,
+    each token's heads contiguous (a view into a fused qkv output is fine)."""
+    tensors = (query, key, value)
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+        return False
+    head_dim = query.shape[-1]
+    return head_dim % 32 == 0 and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in tensors)
 
 
 def per_token_contexts(meta: ReferenceMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,6 +71,7 @@ SOURCES = (
     "fused_ops.cpp",
     "gemv.cpp",
     "moe_pairs.cpp",
+    "prompt_attention.cpp",
 )
 MODULE_NAME = "nanoserve_cpu_kernels"
 # -ffp-contract=off: no a * b + c becomes one rounding, so fused_ops round as PyTorch does.

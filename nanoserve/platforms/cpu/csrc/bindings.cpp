@@ -28,5 +28,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_combine", &moe_combine,
         "(x [T, H], token_index [A], weights [A], expert_out [A, H]) -> [T, H]: each token's "
         "pairs' weighted outputs, summed in float32");
+  m.def("prompt_attention", &prompt_attention,
+        "([Q, H, D] queries, [K, Hkv, D] keys and values, scale) -> [Q, H, D]: a prompt chunk "
+        "over its context, causal aligned to the last key, on AMX (bf16)");
+  m.def("prompt_attention_is_available", &prompt_attention_is_available,
+        "was the library built with AMX, and does the OS let this process use its tiles?");
   bind_decode_layers(m);
 }

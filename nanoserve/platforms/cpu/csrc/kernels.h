@@ -38,5 +38,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_group
 at::Tensor moe_combine(at::Tensor x, at::Tensor token_index, at::Tensor weights,
                        at::Tensor expert_out);
 
+// prompt_attention.cpp
+bool prompt_attention_is_available();
+at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, double scale);
+
 // decode_layers.cpp: the DecodeLayers class
 void bind_decode_layers(pybind11::module& m);

@@ -75,6 +75,19 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#ifdef __AVX512F__
+// 2^x of 16 floats for attention's probabilities, which are then rounded to bf16: x = n + f
+// (|f| <= 1/2), 2^f = e^(f ln2) by its Taylor series to degree 4 (a relative error near 4e-5,
+// a fiftieth of bf16's rounding), times 2^n (0 below float's range).
+inline __m512 exp2_16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147181f));
+  __m512 p = _mm512_set1_ps(1.f / 24);
+  for (const float c : {1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {

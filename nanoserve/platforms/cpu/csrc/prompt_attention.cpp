@@ -1,0 +1,317 @@
+// One prompt chunk's attention on AMX: the chunk's Q queries over its context of K keys (its
+// cached prefix, then its own tokens), each query seeing the keys up to its own position, the
+// causal mask aligned to the bottom right (query i sees keys 0 .. K - Q + i). What PyTorch's
+// flash SDPA computes, with the two products on AMX's tile units and a lighter softmax.
+//
+// Flash attention, as in the papers: the queries are cut into blocks of QUERY_BLOCK tokens, the
+// keys into blocks of KEY_BLOCK. One task is (KV head, query block): the GQA group's query heads
+// that share the KV head are stacked into one block of rows, so each key block is read once for
+// all of them. Per key block: scores S = Q K^T (AMX, float32), the block's maximum per row, the
+// probabilities P = exp(S - running max) rounded to bf16, and O += P V (AMX, float32). The running
+// maximum moves only when a block's maximum passes it by more than 2^8 (so O is rescaled rarely,
+// not per block; probabilities up to 256 lose nothing in float32 or bf16); the row sums divide O
+// at the end.
+//
+// AMX's products take B in "VNNI" order (pairs of rows interleaved), so each KV head's keys and
+// values are repacked once per call, block by block, before the tasks start. Tiles are 16 rows of
+// 64 bytes (16 float32 or 32 bf16): head dims must be a multiple of 32. Blocks past the end (the
+// last query block, the last key block) are zero-padded so every product is whole tiles.
+//
+// Tasks go largest first (query blocks at the end see the most keys) to threads that take the
+// next one as they finish, which evens out the causal triangle's work.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define NANOSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "simd.h"
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+constexpr int64_t QUERY_BLOCK = 128;  // queries per task and head
+constexpr int64_t KEY_BLOCK = 128;    // keys per block (a multiple of 32)
+constexpr float RESCALE_HEADROOM = 8.f;  // log2 of how far a row's maximum may run ahead
+
+#ifdef NANOSERVE_AMX
+
+// Linux hands out AMX's tile state only to a process that asks for it (once).
+bool tiles_permitted() {
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return granted;
+}
+
+// Eight tiles of 16 rows by 64 bytes: four accumulators, two A tiles, two B tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig config;
+  for (int tile = 0; tile < 8; ++tile) config.bytes_per_row[tile] = 64, config.rows[tile] = 16;
+  _tile_loadconfig(&config);
+}
+
+// 64-byte aligned float32 or bf16 storage (a tile row is one cache line).
+template <typename T>
+struct AlignedBuffer {
+  T* data = nullptr;
+  int64_t size = 0;
+  void reserve(int64_t n) {
+    if (n <= size) return;
+    std::free(data);
+    data = static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64));
+    size = n;
+  }
+  ~AlignedBuffer() { std::free(data); }
+};
+
+// A thread's working set for one task: M = group * QUERY_BLOCK rows.
+struct TaskScratch {
+  AlignedBuffer<bf16> queries;        // [M, D]
+  AlignedBuffer<float> scores;        // [M, KEY_BLOCK]
+  AlignedBuffer<bf16> probabilities;  // [M, KEY_BLOCK]
+  AlignedBuffer<float> out;           // [M, D]
+  AlignedBuffer<float> row_max, row_sum;  // [M] (row_max in log2 units, scaled)
+  void reserve(int64_t M, int64_t D) {
+    queries.reserve(M * D), scores.reserve(M * KEY_BLOCK), probabilities.reserve(M * KEY_BLOCK);
+    out.reserve(M * D), row_max.reserve(M), row_sum.reserve(M);
+  }
+};
+
+// Keys [n, D] (row stride `ld`) -> [D/2, KEY_BLOCK, 2]: B of S = Q K^T in VNNI order, column j
+// being key j (zero past n). Each 32-bit word is one key's pair of dims, gathered 16 keys at once.
+void pack_keys(const bf16* keys, int64_t ld, int64_t n, int64_t D, bf16* out) {
+  const int* words = reinterpret_cast<const int*>(keys);
+  int* packed = reinterpret_cast<int*>(out);
+  const __m512i key_rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(ld / 2)));
+  for (int64_t j = 0; j < KEY_BLOCK; j += 16) {
+    const int64_t left = n - j;
+    const __mmask16 present = left >= 16 ? 0xffff : left <= 0 ? 0 : (1u << left) - 1;
+    const int* first = words + std::min(j, n) * (ld / 2);
+    for (int64_t pair = 0; pair < D / 2; ++pair) {
+      const __m512i column = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present,
+                                                         key_rows, first + pair, 4);
+      _mm512_storeu_si512(packed + pair * KEY_BLOCK + j, column);
+    }
+  }
+}
+
+// Values [n, D] (row stride `ld`) -> [KEY_BLOCK/2, D, 2]: B of O += P V in VNNI order, rows
+// 2i and 2i + 1 interleaved (zero rows past n).
+void pack_values(const bf16* values, int64_t ld, int64_t n, int64_t D, bf16* out) {
+  const auto row = [&](int64_t r, int64_t d) {  // 16 values of row r, each in a 32-bit lane
+    if (r >= n) return _mm512_setzero_si512();
+    const auto* at = reinterpret_cast<const __m256i*>(values + r * ld + d);
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(at));
+  };
+  for (int64_t pair = 0; pair < KEY_BLOCK / 2; ++pair) {
+    int* packed = reinterpret_cast<int*>(out + pair * D * 2);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512i low = row(2 * pair, d), high = row(2 * pair + 1, d);
+      _mm512_storeu_si512(packed + d, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+    }
+  }
+}
+
+// scores[M, KEY_BLOCK] = queries[M, D] . packed keys; in 32 x 32 blocks of four tiles.
+void tile_scores(const bf16* queries, const bf16* keys, float* scores, int64_t M, int64_t D) {
+  constexpr int64_t S_ROW = KEY_BLOCK * 4, K_ROW = KEY_BLOCK * 4;  // bytes from row to row
+  for (int64_t i = 0; i < M; i += 32) {
+    for (int64_t j = 0; j < KEY_BLOCK; j += 32) {
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t d = 0; d < D; d += 32) {
+        _tile_loadd(4, queries + i * D + d, D * 2);
+        _tile_loadd(5, queries + (i + 16) * D + d, D * 2);
+        _tile_loadd(6, keys + d * KEY_BLOCK + j * 2, K_ROW);
+        _tile_loadd(7, keys + d * KEY_BLOCK + (j + 16) * 2, K_ROW);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, scores + i * KEY_BLOCK + j, S_ROW);
+      _tile_stored(1, scores + i * KEY_BLOCK + j + 16, S_ROW);
+      _tile_stored(2, scores + (i + 16) * KEY_BLOCK + j, S_ROW);
+      _tile_stored(3, scores + (i + 16) * KEY_BLOCK + j + 16, S_ROW);
+    }
+  }
+}
+
+// out[M, D] += probabilities[M, :keys] . packed values (keys a multiple of 32).
+void tile_accumulate(const bf16* probabilities, const bf16* values, float* out, int64_t M,
+                     int64_t D, int64_t keys) {
+  for (int64_t i = 0; i < M; i += 32) {
+    for (int64_t d = 0; d < D; d += 32) {
+      float* corner = out + i * D + d;
+      _tile_loadd(0, corner, D * 4); _tile_loadd(1, corner + 16, D * 4);
+      _tile_loadd(2, corner + 16 * D, D * 4); _tile_loadd(3, corner + 16 * D + 16, D * 4);
+      for (int64_t k = 0; k < keys; k += 32) {
+        _tile_loadd(4, probabilities + i * KEY_BLOCK + k, KEY_BLOCK * 2);
+        _tile_loadd(5, probabilities + (i + 16) * KEY_BLOCK + k, KEY_BLOCK * 2);
+        _tile_loadd(6, values + k * D + d * 2, D * 4);
+        _tile_loadd(7, values + k * D + (d + 16) * 2, D * 4);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, corner, D * 4); _tile_stored(1, corner + 16, D * 4);
+      _tile_stored(2, corner + 16 * D, D * 4); _tile_stored(3, corner + 16 * D + 16, D * 4);
+    }
+  }
+}
+
+// One row of a key block: its first `visible` scores count, the rest are masked. Moves the
+// row's running maximum if this block passes it by more than the headroom (rescaling the row's
+// output and sum), then writes exp2(score * scale_log2 - maximum) as bf16 for `width` keys
+// (zeros where masked) and adds the visible ones to the row's sum.
+void softmax_row(const float* scores, int64_t visible, int64_t width, float scale_log2,
+                 float& row_max, float& row_sum, float* out, int64_t D, bf16* probabilities) {
+  __m512 block_max = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= visible; j += 16) block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores + j));
+  if (j < visible) {
+    const __mmask16 tail = (1u << (visible - j)) - 1;
+    block_max = _mm512_mask_max_ps(block_max, tail, block_max, _mm512_loadu_ps(scores + j));
+  }
+  const float maximum = _mm512_reduce_max_ps(block_max) * scale_log2;
+  if (maximum > row_max + RESCALE_HEADROOM) {  // the first block always: row_max starts at -inf
+    const float shrink = std::exp2(row_max - maximum);
+    row_max = maximum, row_sum *= shrink;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_set1_ps(shrink), _mm512_loadu_ps(out + d)));
+  }
+  const __m512 scale = _mm512_set1_ps(scale_log2), shift = _mm512_set1_ps(row_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j < width; j += 16) {
+    auto* at = reinterpret_cast<__m256i*>(probabilities + j);
+    const int64_t left = visible - j;
+    if (left <= 0) {  // masked to the end of the block
+      _mm256_storeu_si256(at, _mm256_setzero_si256());
+      continue;
+    }
+    const __mmask16 seen = left >= 16 ? 0xffff : (1u << left) - 1;
+    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + j), scale, shift);
+    const __m512 p = _mm512_maskz_mov_ps(seen, exp2_16(x));
+    sum = _mm512_add_ps(sum, p);
+    _mm256_storeu_si256(at, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+  }
+  row_sum += _mm512_reduce_add_ps(sum);
+}
+
+// The chunk's shapes and data, as the tasks read them.
+struct Chunk {
+  const bf16 *queries, *keys_packed, *values_packed;
+  bf16* out;
+  int64_t Q, K, H, Hkv, D, query_stride, key_blocks;
+  float scale_log2;
+};
+
+// One task: query block `block` of every query head in KV head `kv_head`'s group.
+void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w) {
+  const int64_t group = c.H / c.Hkv, M = group * QUERY_BLOCK, D = c.D;
+  const int64_t first = block * QUERY_BLOCK, count = std::min(QUERY_BLOCK, c.Q - first);
+  for (int64_t g = 0; g < group; ++g) {  // rows g * QUERY_BLOCK + i: head g's query first + i
+    bf16* rows = w.queries.data + g * QUERY_BLOCK * D;
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(rows + i * D, c.queries + (first + i) * c.query_stride + (kv_head * group + g) * D,
+                  D * sizeof(bf16));
+    std::memset(rows + count * D, 0, (QUERY_BLOCK - count) * D * sizeof(bf16));
+  }
+  std::fill(w.row_max.data, w.row_max.data + M, -INFINITY);
+  std::fill(w.row_sum.data, w.row_sum.data + M, 0.f);
+  std::fill(w.out.data, w.out.data + M * D, 0.f);
+  const int64_t offset = c.K - c.Q;  // keys before the chunk's first query
+  const int64_t last_key = offset + first + count - 1;
+  for (int64_t kb = 0; kb <= last_key / KEY_BLOCK; ++kb) {
+    const int64_t key0 = kb * KEY_BLOCK, keys = std::min(KEY_BLOCK, c.K - key0);
+    const int64_t width = (keys + 31) / 32 * 32;
+    const int64_t packed = (kv_head * c.key_blocks + kb) * KEY_BLOCK * D;
+    tile_scores(w.queries.data, c.keys_packed + packed, w.scores.data, M, D);
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t seen = std::min(keys, offset + first + r % QUERY_BLOCK + 1 - key0);
+      softmax_row(w.scores.data + r * KEY_BLOCK, seen, width, c.scale_log2, w.row_max.data[r],
+                  w.row_sum.data[r], w.out.data + r * D, D, w.probabilities.data + r * KEY_BLOCK);
+    }
+    tile_accumulate(w.probabilities.data, c.values_packed + packed, w.out.data, M, D, width);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t r = g * QUERY_BLOCK + i;
+      const __m512 inverse = _mm512_set1_ps(1.f / w.row_sum.data[r]);
+      bf16* to = c.out + ((first + i) * c.H + kv_head * group + g) * D;
+      for (int64_t d = 0; d < D; d += 16)
+        store16(to + d, _mm512_mul_ps(inverse, _mm512_loadu_ps(w.out.data + r * D + d)));
+    }
+  }
+}
+
+#endif  // NANOSERVE_AMX
+
+}  // namespace
+
+bool prompt_attention_is_available() {
+#ifdef NANOSERVE_AMX
+  return tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, double scale) {
+  TORCH_CHECK(prompt_attention_is_available(), "prompt_attention needs AMX (bf16 tiles)");
+#ifdef NANOSERVE_AMX
+  const int64_t Q = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t K = key.size(0), Hkv = key.size(1);
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
+                  value.scalar_type() == at::kBFloat16, "bf16 queries, keys and values only");
+  TORCH_CHECK(D % 32 == 0 && H % Hkv == 0 && K >= Q && value.size(0) == K, "unsupported shapes");
+  for (const at::Tensor& t : {query, key, value})
+    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0,
+                "each token's heads must be contiguous");
+  at::Tensor out = at::empty({Q, H, D}, query.options());
+  const int64_t key_blocks = (K + KEY_BLOCK - 1) / KEY_BLOCK;
+  at::Tensor keys_packed = at::empty({Hkv, key_blocks, KEY_BLOCK * D}, key.options());
+  at::Tensor values_packed = at::empty({Hkv, key_blocks, KEY_BLOCK * D}, value.options());
+  at::parallel_for(0, Hkv * key_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t head = t / key_blocks, key0 = t % key_blocks * KEY_BLOCK;
+      const int64_t n = std::min(KEY_BLOCK, K - key0);
+      pack_keys(key.data_ptr<bf16>() + key0 * key.stride(0) + head * D, key.stride(0), n, D,
+                keys_packed.data_ptr<bf16>() + t * KEY_BLOCK * D);
+      pack_values(value.data_ptr<bf16>() + key0 * value.stride(0) + head * D, value.stride(0), n,
+                  D, values_packed.data_ptr<bf16>() + t * KEY_BLOCK * D);
+    }
+  });
+  const Chunk chunk{query.data_ptr<bf16>(), keys_packed.data_ptr<bf16>(),
+                    values_packed.data_ptr<bf16>(), out.data_ptr<bf16>(), Q, K, H, Hkv, D,
+                    query.stride(0), key_blocks, static_cast<float>(scale * M_LOG2E)};
+  const int64_t query_blocks = (Q + QUERY_BLOCK - 1) / QUERY_BLOCK, tasks = Hkv * query_blocks;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    thread_local TaskScratch scratch;
+    scratch.reserve(H / Hkv * QUERY_BLOCK, D);
+    configure_tiles();
+    for (int64_t t; (t = next_task.fetch_add(1)) < tasks;)  // the last query blocks first
+      attend_block(chunk, t % Hkv, query_blocks - 1 - t / Hkv, scratch);
+    _tile_release();
+  });
+  return out;
+#else
+  return at::Tensor();
+#endif
+}
