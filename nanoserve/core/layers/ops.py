@@ -1,5 +1,5 @@
-"""The elementwise ops of the model's layers: RMSNorm's normalization, the rotary embedding and
-SwiGLU's activation, in plain PyTorch.
+"""The elementwise ops of the model's layers: RMSNorm's normalization, the rotary embedding (with
+Qwen3's q/k norms before it) and SwiGLU's activation, in plain PyTorch.
 
 A layer that uses them holds an `ops` attribute (`PORTABLE_OPS` by default). A platform may
 install fused kernels in their place, layer by layer (`install_layer_ops`); those compute the
@@ -53,6 +53,24 @@ class LayerOps:
         self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     ) -> torch.Tensor:  # [T, H, D] -> [T, H, D]
         return apply_rotary(x, cos, signed_sin)
+
+    def qk_norm_rotary(
+        self,
+        qk: torch.Tensor,  # [T, H + Hkv, D]: a step's query heads, then its key heads
+        num_heads: int,  # H
+        norms: tuple[Any, Any] | None,  # the q and k RMSNorms (Qwen3), or None
+        cos: torch.Tensor,  # [T, 1, D]
+        signed_sin: torch.Tensor,  # [T, 1, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, Hkv, D]
+        """Each head RMS-normed by its norm (where there are norms), then rotated."""
+        if norms is not None:  # one normalization covers every head; then a weight per side
+            qk = self.rms_norm(qk, None, norms[0].eps)
+        q, k = qk.split([num_heads, qk.shape[1] - num_heads], dim=1)
+        if norms is not None:
+            # Scaling (and rotating) q and k apart compiles to a faster decode step than one
+            # joint-head op: inductor inlines q's arithmetic into the attention loop.
+            q, k = norms[0].weight * q, norms[1].weight * k
+        return self.rotary(q, cos, signed_sin), self.rotary(k, cos, signed_sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         """SwiGLU's silu(gate) * up, the gate and up halves side by side."""

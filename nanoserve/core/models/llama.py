@@ -104,15 +104,8 @@ class LlamaAttention(nn.Module):
             num_tokens, num_heads + num_kv_heads, head_dim
         )  # [T, H + Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, num_kv_heads, head_dim)
-        if self.qk_norm:
-            qk = self.ops.rms_norm(qk, None, self.q_norm.eps)
-            q, k = qk.split([num_heads, num_kv_heads], dim=1)
-            # Scaling (and rotating) q and k apart compiles to a faster decode step than one
-            # joint-head op: inductor inlines q's arithmetic into the attention loop.
-            q, k = self.q_norm.weight * q, self.k_norm.weight * k  # [T, H, D], [T, Hkv, D]
-        else:
-            q, k = qk.split([num_heads, num_kv_heads], dim=1)
-        q, k = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q, k = self.ops.qk_norm_rotary(qk, num_heads, norms, *rope)  # [T, H, D], [T, Hkv, D]
         out = self.attn(q, k, v, attn_meta)  # [T, H, D]
         if output_rows is not None:
             out = out[output_rows]  # [S, H, D]

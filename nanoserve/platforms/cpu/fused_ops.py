@@ -14,12 +14,14 @@ anything else through the portable ops.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from nanoserve.core.layers.ops import LayerOps
 
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
+MAX_NORMED_HEAD_DIM = 512  # the kernel's per-head buffer (csrc/fused_ops.cpp)
 
 
 class FusedCpuOps(LayerOps):
@@ -46,6 +48,29 @@ class FusedCpuOps(LayerOps):
         if self.takes(x) and cos.dtype == x.dtype and cos.is_contiguous():
             return self.kernels.rotary(x, cos, signed_sin)
         return super().rotary(x, cos, signed_sin)
+
+    def qk_norm_rotary(
+        self,
+        qk: torch.Tensor,  # [T, H + Hkv, D]
+        num_heads: int,
+        norms: tuple[Any, Any] | None,  # the q and k RMSNorms, or None
+        cos: torch.Tensor,  # [T, 1, D]
+        signed_sin: torch.Tensor,  # [T, 1, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, Hkv, D]
+        weights = (None, None) if norms is None else (norms[0].weight, norms[1].weight)
+        eps = 0.0 if norms is None else norms[0].eps
+        head_dim = qk.shape[2]
+        if (
+            self.takes(qk)
+            and qk.stride(2) == 1
+            and qk.stride(1) == head_dim
+            and (norms is None or head_dim <= MAX_NORMED_HEAD_DIM)
+            and all(t.dtype == qk.dtype for t in (cos, signed_sin, *weights) if t is not None)
+            and cos.is_contiguous()
+            and signed_sin.is_contiguous()
+        ):
+            return self.kernels.qk_norm_rotary(qk, num_heads, *weights, cos, signed_sin, eps)
+        return super().qk_norm_rotary(qk, num_heads, norms, cos, signed_sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         if self.takes(gate_up) and gate_up.dim() == 2:

@@ -187,3 +187,45 @@ def test_q_k_norms_and_rope_in_one_pass_round_as_the_kernels_one_by_one(
     assert torch.equal(q, kernels.rotary(expected[:, :heads], cos, sin))
     assert torch.equal(k, kernels.rotary(expected[:, heads:], cos, sin))
     assert q.is_contiguous() and k.is_contiguous()
+
+
+@pytest.mark.parametrize("tokens", [1, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_norms", [True, False], ids=["qwen3", "llama"])
+def test_the_attentions_q_k_norms_and_rope_match_the_plain_ops(toggle, tokens, dtype, with_norms):
+    """The layer op the attention calls (`qk_norm_rotary`) on a strided view of a qkv product:
+    through the kernel, the plain ops' results (the kernel's sum of squares aside)."""
+    heads, kv_heads, head_dim = 16, 8, 128
+    torch.manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0)(torch.arange(tokens) * 7, dtype)
+    norms = (RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)) if with_norms else None
+    for norm in norms or ():
+        norm.weight.data = torch.randn(head_dim).to(dtype)
+    plain, fused = toggle(lambda ops: ops.qk_norm_rotary(qk, heads, norms, *rope))
+    for plain_part, fused_part in zip(plain, fused, strict=True):
+        assert fused_part.shape == plain_part.shape and fused_part.dtype == dtype
+        if dtype == torch.bfloat16 and with_norms:
+            # A normed value one bf16 unit apart (the sum of squares' order) moves its rotated
+            # output by a unit of the larger of the two products it is the sum of.
+            assert (fused_part != plain_part).float().mean() < 2e-3
+            torch.testing.assert_close(fused_part, plain_part, rtol=2**-6, atol=2**-5)
+        else:
+            assert_same(plain_part, fused_part)
+
+
+def test_q_k_heads_the_kernel_cannot_take_go_op_by_op(fused, monkeypatch):
+    calls: list[int] = []
+    real = fused.kernels.qk_norm_rotary
+    monkeypatch.setattr(fused.kernels, "qk_norm_rotary", lambda *a: calls.append(1) or real(*a))
+    qk = torch.randn(5, 6, 20, dtype=torch.bfloat16)
+    rope = RotaryEmbedding(20, 64, 10000.0)(torch.arange(5), torch.bfloat16)
+    norms = (RMSNorm(20, 1e-6), RMSNorm(20, 1e-6))  # float32 weights beside bf16 heads
+    q, k = fused.qk_norm_rotary(qk, 4, norms, *rope)
+    expected = LayerOps.qk_norm_rotary(fused, qk, 4, norms, *rope)  # norm, scale, rotate
+    assert calls == [] and torch.equal(q, expected[0]) and torch.equal(k, expected[1])
+    fused.qk_norm_rotary(qk.transpose(0, 1).contiguous().transpose(0, 1), 4, None, *rope)
+    assert calls == []  # heads not contiguous within a token
+    fused.qk_norm_rotary(qk, 4, None, *rope)
+    assert calls == [1]
