@@ -6,8 +6,8 @@
 // They reproduce PyTorch's roundings: bfloat16 inputs are computed in float32 and rounded to
 // bfloat16 wherever the plain ops round (so RMSNorm differs only in the order of the float32
 // sum of squares, and silu_mul only in its exp, within about an ulp of PyTorch's). Built with
-// -ffp-contract=off: no a*b+c is fused into one rounding. Their vector paths (simd.h) take 8
-// float32 lanes with AVX2, 16 with AVX-512 (silu_mul); the scalar loops finish each row.
+// -ffp-contract=off: no a*b+c is fused into one rounding. Their vector paths (simd.h) take 16
+// float32 lanes with AVX-512 (BF16), then 8 with AVX2; the scalar loops finish each row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -34,14 +34,24 @@ template <typename T>
 float sum_of_squares(const T* x, int64_t D) {
   float sum = 0.f;
   int64_t d = 0;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#ifdef __AVX512BF16__
   if constexpr (HAS_LANES<T>) {
+    __m512 total = _mm512_setzero_ps();
+    for (; d + 16 <= D; d += 16) {
+      const __m512 v = load16(x + d);
+      total = _mm512_add_ps(total, _mm512_mul_ps(v, v));
+    }
+    sum = _mm512_reduce_add_ps(total);
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (HAS_LANES<T>) {  // what is left past the 16-lane vectors (all of it on AVX2)
     __m256 total = _mm256_setzero_ps();
     for (; d + 8 <= D; d += 8) {
       const __m256 v = load8(x + d);
       total = _mm256_add_ps(total, _mm256_mul_ps(v, v));
     }
-    sum = add_lanes8(total);
+    sum += add_lanes8(total);
   }
 #endif
   for (; d < D; ++d) sum += to_float(x[d]) * to_float(x[d]);
@@ -53,6 +63,15 @@ template <typename T>
 void rms_norm_row(const T* x, const T* weight, T* out, int64_t D, float eps) {
   const float inv = 1.f / std::sqrt(sum_of_squares(x, D) / static_cast<float>(D) + eps);
   int64_t d = 0;
+#ifdef __AVX512BF16__
+  if constexpr (HAS_LANES<T>) {  // the same two roundings as below, 16 lanes at a time
+    const __m512 by = _mm512_set1_ps(inv);
+    for (; d + 16 <= D; d += 16) {
+      const __m512 normalized = round_to(out, _mm512_mul_ps(load16(x + d), by));
+      store16(out + d, weight ? _mm512_mul_ps(normalized, load16(weight + d)) : normalized);
+    }
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if constexpr (HAS_LANES<T>) {  // the same two roundings as below, 8 lanes at a time
     const __m256 by = _mm256_set1_ps(inv);
@@ -73,6 +92,20 @@ template <typename T>
 void rotary_row(const T* x, const T* cos, const T* sin, T* out, int64_t D) {
   const int64_t half = D / 2;
   int64_t d = 0;
+#ifdef __AVX512BF16__
+  if constexpr (HAS_LANES<T>) {  // 16 values of each half at once, the same roundings as below
+    const auto rotate = [&](__m512 a, __m512 b, int64_t at) {
+      const __m512 ac = round_to(out, _mm512_mul_ps(a, load16(cos + at)));
+      const __m512 bs = round_to(out, _mm512_mul_ps(b, load16(sin + at)));
+      store16(out + at, _mm512_add_ps(ac, bs));
+    };
+    for (; d + 16 <= half; d += 16) {
+      const __m512 first = load16(x + d), second = load16(x + d + half);
+      rotate(first, second, d);
+      rotate(second, first, d + half);
+    }
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if constexpr (HAS_LANES<T>) {  // 8 values of each half at once, the same roundings as below
     // out[at..] = round(round(a * cos) + round(b * sin)), 8 lanes from at.
