@@ -6,6 +6,7 @@
     python -m benchmarks.cpu_defaults fused       # decode with fused norm/RoPE kernels and without
     python -m benchmarks.cpu_defaults gemv        # the bf16 decode GEMV against oneDNN's product
     python -m benchmarks.cpu_defaults attention   # decode attention: our kernel against eager
+    python -m benchmarks.cpu_defaults prompt-attention  # prompt chunks: AMX kernel against SDPA
     python -m benchmarks.cpu_defaults bf16-methods  # the CPU's bf16 linears vs float32, F.linear
 
 Arms that are compared run in one process, alternating round by round, so that a noisy machine
@@ -23,7 +24,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.bench.machine import measure_read_bandwidth_gb_s
-from nanoserve.core.attention.reference import decode_group_attention
+from nanoserve.core.attention.reference import chunk_attention, decode_group_attention
 from nanoserve.core.layers.ops import PORTABLE_OPS, install_layer_ops
 from nanoserve.platforms.cpu import linear as cpu_linear
 from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
@@ -288,9 +289,55 @@ def measure_decode_attention(rounds: int) -> None:
         )
 
 
+def chunk_attention_ms(attend: Callable[..., torch.Tensor], num_tokens: int) -> float:
+    """Best of 5 of one layer's attention over a cold `num_tokens` prompt (0.6B shape)."""
+    query = torch.randn(num_tokens, 16, 128, dtype=torch.bfloat16)
+    key, value = (torch.randn(num_tokens, 8, 128, dtype=torch.bfloat16) for _ in "kv")
+    attend(query, key, value, None, 128**-0.5)
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        attend(query, key, value, None, 128**-0.5)
+        times.append(time.perf_counter() - started)
+    return min(times) * 1e3
+
+
+def measure_prompt_attention(rounds: int, num_tokens: int) -> None:
+    """One model, prompt chunks through the AMX kernel and through SDPA, round by round: one
+    layer's attention alone, then a whole cold prefill."""
+    llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=max(4096, num_tokens + 1))
+    backend = llm.engine.kv_cache.backend
+    if not getattr(backend, "amx_prompts", False):
+        print("no AMX prompt kernel here (no AMX, or the kernels did not build)")
+        return
+    kernel, sdpa = backend.attend_chunk, chunk_attention
+    layer: dict[str, list[float]] = {"amx": [], "sdpa": []}
+    prefill: dict[str, list[float]] = {"amx": [], "sdpa": []}
+    prefill_s(llm, num_tokens, first=1)
+    for r in range(rounds):
+        for name, attend in (("amx", kernel), ("sdpa", sdpa)):
+            backend.amx_prompts = name == "amx"  # the backend's own choice, for both timings
+            layer[name].append(chunk_attention_ms(attend, num_tokens))
+            prefill[name].append(prefill_s(llm, num_tokens, first=10 + 2 * r + len(name)) * 1e3)
+        print(
+            f"round {r + 1}: "
+            + ", ".join(
+                f"{k} layer {layer[k][-1]:.2f} ms, prefill {prefill[k][-1]:.0f} ms" for k in layer
+            )
+        )
+    amx, ref = median(layer["amx"]), median(layer["sdpa"])
+    amx_prefill, ref_prefill = median(prefill["amx"]), median(prefill["sdpa"])
+    print(
+        f"{num_tokens}-token prompt, medians: one layer's attention amx {amx:.2f} / sdpa "
+        f"{ref:.2f} ms ({ref / amx:.2f}x); cold prefill amx {amx_prefill:.0f} / sdpa "
+        f"{ref_prefill:.0f} ms ({ref_prefill / amx_prefill:.2f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     measures = ["int8", "prefill", "auto-dtype", "fused", "gemv", "attention", "bf16-methods"]
+    measures.append("prompt-attention")
     parser.add_argument("measure", choices=measures)
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: 4)")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="prefill (default: 1500)")
@@ -306,6 +353,8 @@ def main() -> None:
         measure_gemv(args.rounds)
     elif args.measure == "attention":
         measure_decode_attention(args.rounds)
+    elif args.measure == "prompt-attention":
+        measure_prompt_attention(args.rounds, args.prompt_tokens)
     elif args.measure == "bf16-methods":
         measure_bf16_methods(args.rounds, args.prompt_tokens)
     else:

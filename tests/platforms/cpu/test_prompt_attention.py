@@ -65,7 +65,10 @@ def test_the_kernel_is_there_wherever_the_cpu_has_amx(kernels):
         (40, 40),  # less than one block each
     ],
 )
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(16, 8, 128), (4, 1, 64), (3, 3, 256)])
+# Qwen3-0.6B's heads; Qwen3-30B-A3B's (8 query heads a KV head); a group of 4; no grouping.
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(16, 8, 128), (32, 4, 128), (4, 1, 64), (3, 3, 256)]
+)
 def test_the_kernel_is_float32_attention_within_bf16_rounding(
     kernels, num_queries, num_keys, heads, kv_heads, head_dim
 ):
