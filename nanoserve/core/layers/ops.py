@@ -8,11 +8,14 @@ same roundings in fewer passes. The model file calls `self.ops.<op>` and never a
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from nanoserve.core.layers.norm import RMSNorm  # which calls these ops
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., D] -> [..., D]
@@ -58,7 +61,7 @@ class LayerOps:
         self,
         qk: torch.Tensor,  # [T, H + Hkv, D]: a step's query heads, then its key heads
         num_heads: int,  # H
-        norms: tuple[Any, Any] | None,  # the q and k RMSNorms (Qwen3), or None
+        norms: tuple[RMSNorm, RMSNorm] | None,  # the q and k norms (Qwen3), or None
         cos: torch.Tensor,  # [T, 1, D]
         signed_sin: torch.Tensor,  # [T, 1, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, Hkv, D]

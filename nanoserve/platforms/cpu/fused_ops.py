@@ -14,10 +14,10 @@ anything else through the portable ops.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
 
 import torch
 
+from nanoserve.core.layers.norm import RMSNorm
 from nanoserve.core.layers.ops import LayerOps
 
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
@@ -53,7 +53,7 @@ class FusedCpuOps(LayerOps):
         self,
         qk: torch.Tensor,  # [T, H + Hkv, D]
         num_heads: int,
-        norms: tuple[Any, Any] | None,  # the q and k RMSNorms, or None
+        norms: tuple[RMSNorm, RMSNorm] | None,  # the q and k norms, or None
         cos: torch.Tensor,  # [T, 1, D]
         signed_sin: torch.Tensor,  # [T, 1, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, Hkv, D]
