@@ -34,6 +34,15 @@ from nanoserve.core.sampling_batch import SamplingBatch
 _NEG_INF = float("-inf")
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
+    """Each row's argmax: the first index of its maximum, NaN above all (as `argmax`).
+
+    `max(dim).indices` is the same result by PyTorch's definition, and its CPU kernel is several
+    times faster than `argmax`'s over a vocabulary-wide row.
+    """
+    return x.max(dim=-1).indices
+
+
 @dataclass
 class SamplerOutput:
     """The next token of every request in the batch, and its logprobs where asked for."""
@@ -62,12 +71,12 @@ class Sampler:
         if batch.grammar_masks is not None:
             logits = apply_grammar_masks(logits, batch.grammar_masks)
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)  # [B]
+            token_ids = row_argmax(logits)  # [B]
         else:
             probs = self.apply_warpers(logits, batch).softmax(dim=-1)  # [B, V]
-            token_ids = (probs / self.exponential_noise(probs, batch)).argmax(dim=-1)  # [B]
+            token_ids = row_argmax(probs / self.exponential_noise(probs, batch))  # [B]
             if batch.is_greedy is not None:
-                token_ids = torch.where(batch.is_greedy, logits.argmax(dim=-1), token_ids)
+                token_ids = torch.where(batch.is_greedy, row_argmax(logits), token_ids)
 
         if raw_logprobs is None:
             return SamplerOutput(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.common.protocol import TokenLogprobs
-from nanoserve.core.sampler import Sampler, gather_token_logprobs, to_host
+from nanoserve.core.sampler import Sampler, gather_token_logprobs, row_argmax, to_host
 from nanoserve.core.sampling_batch import SamplingBatch
 from nanoserve.core.speculation import Verified
 
@@ -60,7 +60,7 @@ class RejectionSampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: is its next draft accepted, and the token emitted if not (or the bonus)."""
         processed = self.sampler.process_logits(logits, batch)  # [N, V], -inf where filtered
-        argmax = processed.argmax(dim=-1)  # [N]
+        argmax = row_argmax(processed)  # [N]
         has_draft = next_drafts >= 0
         draft_ids = next_drafts.clamp(min=0).unsqueeze(1)  # [N, 1]
         greedy_accepted = has_draft & (argmax == next_drafts)
@@ -71,7 +71,7 @@ class RejectionSampler:
         random_accepted = has_draft & (self._uniforms(batch, probs) < draft_probs)
         # max(p - q, 0) with q one-hot on the draft: p with the draft token removed.
         residual = probs.scatter(1, draft_ids, 0.0).where(has_draft.unsqueeze(1), probs)
-        recovered = (residual / self.sampler.exponential_noise(probs, batch)).argmax(dim=-1)
+        recovered = row_argmax(residual / self.sampler.exponential_noise(probs, batch))
         if batch.is_greedy is None:
             return random_accepted, recovered
         return (

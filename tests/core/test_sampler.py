@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from nanoserve.common.sampling_params import SamplingParams
-from nanoserve.core.sampler import Sampler
+from nanoserve.core.sampler import Sampler, row_argmax
 from nanoserve.core.sampling_batch import SamplingBatch, seeded_generator
 
 VOCAB = 64
@@ -208,6 +208,20 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
 
 
 # ---- choosing tokens ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_argmax_with_ties_infinities_and_nans(dtype):
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randint(-2, 3, (64, 5000), generator=generator).to(dtype)  # many ties a row
+    rows[3, [10, 4000]] = float("inf")
+    rows[5, [7, 900]] = float("nan")  # the first NaN wins, as with argmax
+    rows[6] = float("-inf")  # all equal: index 0
+    expected = rows.argmax(dim=-1)
+    assert expected[5] == 7 and expected[6] == 0
+    assert torch.equal(row_argmax(rows), expected)
+    wide = torch.randn(8, 151936, generator=generator).to(dtype)  # a vocabulary-wide batch
+    assert torch.equal(row_argmax(wide), wide.argmax(dim=-1))
 
 
 def test_all_greedy_batch_is_argmax_and_builds_no_tensors():
