@@ -29,6 +29,9 @@ WORKER_KERNEL_CACHE_SIZE = 128  # compiled oneDNN primitives kept per cache (CPU
 # Up to this many cores the worker computes on all of them: leaving one to the front would cost
 # 1/cores of the compute, and on 2 cores that measured worse at every load (RESULTS.md).
 ALL_CORES_UP_TO = 4
+# glibc keeps the memory the worker frees: blocks up to 32 MiB (the most glibc allows) come from
+# its heap, and the heap is not trimmed back to the OS until 1 GiB lies free at its top.
+KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
 
 
 def worker_environment(num_local_ranks: int = 1) -> dict[str, str]:
@@ -43,6 +46,11 @@ def worker_environment(num_local_ranks: int = 1) -> dict[str, str]:
     - PyTorch's CPU allocator backs tensors of 2 MB and more with transparent huge pages
       (THP_MEM_ALLOC_ENABLE=1 unless set): decoding streams every weight once per token, and
       with 4 KB pages each 4 KB costs a TLB miss.
+    - glibc keeps what the worker frees (GLIBC_TUNABLES=KEEP_FREED_MEMORY unless set). With
+      PyTorch's huge-page blocks, glibc's defaults handed freed memory back to the OS, so every
+      prefill faulted its activations in afresh (~11,000 page faults, each zeroed by the kernel,
+      for a 1,500-token prompt of the 0.6B shape); now the next prefill reuses the same memory.
+      The worker's memory stays at its high-water mark, which the largest step bounds.
     - oneDNN's caches of compiled matmul primitives hold WORKER_KERNEL_CACHE_SIZE entries each
       (LRU_CACHE_CAPACITY: PyTorch's ideep op cache; ONEDNN_PRIMITIVE_CACHE_CAPACITY), not their
       default 1,024: every new token count of a step compiles a primitive, and a long mixed load
@@ -53,6 +61,7 @@ def worker_environment(num_local_ranks: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(worker_threads(os.cpu_count() or 1, num_local_ranks)))
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    env.setdefault("GLIBC_TUNABLES", KEEP_FREED_MEMORY)
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
         env.setdefault(name, str(WORKER_KERNEL_CACHE_SIZE))
     return env

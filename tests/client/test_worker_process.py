@@ -3,9 +3,14 @@ ranks of this machine and the group's rendezvous, and the command line the worke
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+
 import pytest
 
 from nanoserve.client.worker_process import (
+    KEEP_FREED_MEMORY,
     WORKER_KERNEL_CACHE_SIZE,
     local_ranks,
     rendezvous_address,
@@ -41,6 +46,46 @@ def test_worker_environment_asks_for_huge_pages_unless_told_otherwise(monkeypatc
     assert worker_environment()["THP_MEM_ALLOC_ENABLE"] == "1"
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     assert worker_environment()["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+def test_worker_environment_keeps_freed_memory_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert worker_environment()["GLIBC_TUNABLES"] == KEEP_FREED_MEMORY
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert worker_environment()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+
+
+# Two activations of a prefill (16 and 24 MiB) filled and freed twelve times: the page faults
+# of the last six rounds.
+REFAULTS = """
+import resource, torch
+def step():
+    torch.empty(1 << 23, dtype=torch.bfloat16).fill_(1)
+    torch.empty(3 << 22, dtype=torch.bfloat16).fill_(1)
+for _ in range(6):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(6):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def refaults(env: dict[str, str]) -> int:
+    out = subprocess.run([sys.executable, "-c", REFAULTS], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="GLIBC_TUNABLES is glibc's")
+def test_the_worker_reuses_freed_memory_instead_of_faulting_it_in_again(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    env = worker_environment()
+    assert refaults(env) < 20  # the heap's memory, mapped in the first rounds
+    # glibc's defaults hand the huge-page blocks back and map them anew every round (at least a
+    # fault per 2 MiB page)
+    assert refaults({**env, "GLIBC_TUNABLES": ""}) >= 6 * 20
 
 
 def test_worker_environment_bounds_the_onednn_caches_unless_told_otherwise(monkeypatch):
