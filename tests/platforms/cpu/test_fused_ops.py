@@ -166,13 +166,14 @@ def test_a_residual_add_and_its_norm_in_one_pass_round_as_the_two_kernels(fused,
 @pytest.mark.parametrize("tokens", [1, 70])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_norms", [True, False], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])  # bf16 64/128/256: held in registers
 def test_q_k_norms_and_rope_in_one_pass_round_as_the_kernels_one_by_one(
-    fused, tokens, dtype, with_norms
+    fused, tokens, dtype, with_norms, head_dim
 ):
     """The fused decode step's `qk_norm_rotary` on q and k heads of a fused qkv product (a
     strided view), against rms_norm, the scales' products and rotary called one by one."""
     kernels = fused.kernels
-    heads, kv_heads, head_dim = 16, 8, 128
+    heads, kv_heads = 16, 8
     generator = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)

@@ -194,6 +194,51 @@ void check_rope_tables(const at::Tensor& cos, const at::Tensor& signed_sin, int6
 // The longest head qk_norm_rotary normalizes (on the stack, one head per row).
 constexpr int64_t MAX_NORMED_HEAD_DIM = 512;
 
+using bf16 = at::BFloat16;
+// One bf16 head of x to out: RMS-normed with `weight` (none: not normed), then rotated.
+using HeadFn = void (*)(const bf16* x, const bf16* weight, const bf16* cos, const bf16* sin,
+                        bf16* out, float eps);
+
+#ifdef __AVX512BF16__
+// HeadFn for heads of 16 * LANES16 values, held in registers from load to store:
+// rms_norm_row then rotary_row, the same roundings, without the pass between them.
+template <int LANES16>
+void norm_rotate_head(const bf16* x, const bf16* weight, const bf16* cos, const bf16* sin,
+                      bf16* out, float eps) {
+  __m512 v[LANES16];
+  for (int i = 0; i < LANES16; ++i) v[i] = load16(x + 16 * i);
+  if (weight != nullptr) {
+    __m512 total = _mm512_setzero_ps();
+    for (int i = 0; i < LANES16; ++i) total = _mm512_add_ps(total, _mm512_mul_ps(v[i], v[i]));
+    const float mean = _mm512_reduce_add_ps(total) / static_cast<float>(16 * LANES16);
+    const __m512 by = _mm512_set1_ps(1.f / std::sqrt(mean + eps));
+    for (int i = 0; i < LANES16; ++i) {
+      const __m512 normalized = round_to(out, _mm512_mul_ps(v[i], by));
+      v[i] = round_to(out, _mm512_mul_ps(normalized, load16(weight + 16 * i)));
+    }
+  }
+  constexpr int HALF = LANES16 / 2;  // out = v * cos + [v2, v1] * signed_sin, rounded as rotary
+  const auto rotated = [&](__m512 a, __m512 b, int at) {
+    const __m512 ac = round_to(out, _mm512_mul_ps(a, load16(cos + 16 * at)));
+    return _mm512_add_ps(ac, round_to(out, _mm512_mul_ps(b, load16(sin + 16 * at))));
+  };
+  for (int i = 0; i < HALF; ++i) {
+    store16(out + 16 * i, rotated(v[i], v[i + HALF], i));
+    store16(out + 16 * (i + HALF), rotated(v[i + HALF], v[i], i + HALF));
+  }
+}
+#endif
+
+// The register-held HeadFn for bf16 heads of D values, where there is one (else nullptr).
+HeadFn register_head(int64_t D) {
+#ifdef __AVX512BF16__
+  if (D == 64) return norm_rotate_head<4>;
+  if (D == 128) return norm_rotate_head<8>;
+  if (D == 256) return norm_rotate_head<16>;
+#endif
+  return nullptr;
+}
+
 }  // namespace
 
 // input [T, D] or [T, H, D] (any T/H strides), weight [D] or None -> the input's shape.
@@ -303,9 +348,16 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rotary(at::Tensor qk, int64_t num_q_h
     }
     const scalar_t *cp = cos.data_ptr<scalar_t>(), *sp = signed_sin.data_ptr<scalar_t>();
     scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>();
+    const HeadFn in_registers = register_head(D);
     for_each_row<scalar_t>(qk, [&](int64_t r, const scalar_t* row) {
       const int64_t t = r / (H + Hkv), h = r % (H + Hkv);
       scalar_t* out = h < H ? qp + (t * H + h) * D : kp + (t * Hkv + h - H) * D;
+      if (std::is_same_v<scalar_t, bf16> && in_registers != nullptr) {
+        const auto as_bf16 = [](const scalar_t* p) { return reinterpret_cast<const bf16*>(p); };
+        in_registers(as_bf16(row), as_bf16(h < H ? qw : kw), as_bf16(cp + t * D),
+                     as_bf16(sp + t * D), reinterpret_cast<bf16*>(out), static_cast<float>(eps));
+        return;
+      }
       scalar_t normed[MAX_NORMED_HEAD_DIM];
       const scalar_t* head = row;
       if (qw != nullptr) {
