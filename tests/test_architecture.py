@@ -21,7 +21,7 @@ MAX_FUNCTION_LINES = 60
 # The design's "~3,200 lines", with room for the speculative-decoding steps the scheduler, the
 # layout and the model runner carry (vLLM v1 keeps them in its scheduler too), and for the
 # prefix cache's kept tails (the blocks an editor's next keystroke shares part of and takes over).
-MAX_CORE_LINES = 3485
+MAX_CORE_LINES = 3490
 # What each part of the package may import of the others (by module-name prefix).
 CONTRACTS = ("nanoserve.common",)
 CORE = ("nanoserve.core",)
