@@ -87,6 +87,16 @@ void rms_norm_row(const T* x, const T* weight, T* out, int64_t D, float eps) {
   }
 }
 
+#ifdef __AVX512BF16__
+// round(a * cos) + round(b * signed_sin) over 16 lanes, each product rounded to T: 16 values
+// of a rotated head (a from one half, b from the other), before the sum is rounded.
+template <typename T>
+__m512 rotated16(__m512 a, __m512 b, const T* cos, const T* sin, T* out) {
+  const __m512 ac = round_to(out, _mm512_mul_ps(a, load16(cos)));
+  return _mm512_add_ps(ac, round_to(out, _mm512_mul_ps(b, load16(sin))));
+}
+#endif
+
 // out = x * cos + [x2, x1] * signed_sin over one head of D values, each product rounded.
 template <typename T>
 void rotary_row(const T* x, const T* cos, const T* sin, T* out, int64_t D) {
@@ -94,15 +104,11 @@ void rotary_row(const T* x, const T* cos, const T* sin, T* out, int64_t D) {
   int64_t d = 0;
 #ifdef __AVX512BF16__
   if constexpr (HAS_LANES<T>) {  // 16 values of each half at once, the same roundings as below
-    const auto rotate = [&](__m512 a, __m512 b, int64_t at) {
-      const __m512 ac = round_to(out, _mm512_mul_ps(a, load16(cos + at)));
-      const __m512 bs = round_to(out, _mm512_mul_ps(b, load16(sin + at)));
-      store16(out + at, _mm512_add_ps(ac, bs));
-    };
     for (; d + 16 <= half; d += 16) {
       const __m512 first = load16(x + d), second = load16(x + d + half);
-      rotate(first, second, d);
-      rotate(second, first, d + half);
+      store16(out + d, rotated16(first, second, cos + d, sin + d, out));
+      const int64_t at = d + half;
+      store16(out + at, rotated16(second, first, cos + at, sin + at, out));
     }
   }
 #endif
@@ -218,13 +224,10 @@ void norm_rotate_head(const bf16* x, const bf16* weight, const bf16* cos, const 
     }
   }
   constexpr int HALF = LANES16 / 2;  // out = v * cos + [v2, v1] * signed_sin, rounded as rotary
-  const auto rotated = [&](__m512 a, __m512 b, int at) {
-    const __m512 ac = round_to(out, _mm512_mul_ps(a, load16(cos + 16 * at)));
-    return _mm512_add_ps(ac, round_to(out, _mm512_mul_ps(b, load16(sin + 16 * at))));
-  };
   for (int i = 0; i < HALF; ++i) {
-    store16(out + 16 * i, rotated(v[i], v[i + HALF], i));
-    store16(out + 16 * (i + HALF), rotated(v[i + HALF], v[i], i + HALF));
+    const int first = 16 * i, second = 16 * (i + HALF);
+    store16(out + first, rotated16(v[i], v[i + HALF], cos + first, sin + first, out));
+    store16(out + second, rotated16(v[i + HALF], v[i], cos + second, sin + second, out));
   }
 }
 #endif
