@@ -12,6 +12,8 @@ from pathlib import Path
 
 # x86: AVX-512 BF16 or AMX-BF16 instructions; Arm: the BF16 extension (`bf16` in Features).
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+# AMX's bf16 tile products and the AVX-512 BF16 instructions the tile kernels use beside them.
+AMX_BF16_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str] | None:
@@ -35,3 +37,9 @@ def has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     if flags is None:  # not Linux: Apple silicon has bf16 from M2 on; assume it elsewhere not
         return platform.system() == "Darwin" and platform.machine() == "arm64"
     return not BF16_FLAGS.isdisjoint(flags)
+
+
+def has_amx_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU has AMX's bf16 tiles (Intel Xeon since Sapphire Rapids), which the CPU
+    kernels' prompt attention and decode products use where they were built for them."""
+    return set(cpu_flags(cpuinfo) or []) >= AMX_BF16_FLAGS

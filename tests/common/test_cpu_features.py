@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.common.cpu_features import has_native_bf16
+from nanoserve.common.cpu_features import has_amx_bf16, has_native_bf16
 
 
 @pytest.mark.parametrize(
@@ -29,3 +29,12 @@ def test_bf16_is_read_from_the_cpu_flags(tmp_path: Path, line: str, expected: bo
 def test_a_missing_cpuinfo_is_not_an_error(tmp_path: Path) -> None:
     apple_silicon = platform.system() == "Darwin" and platform.machine() == "arm64"
     assert has_native_bf16(tmp_path / "absent") is apple_silicon
+
+
+def test_amx_needs_the_tiles_their_bf16_products_and_avx512_bf16(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+    assert has_amx_bf16(cpuinfo)
+    cpuinfo.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_tile\n")  # no bf16 tiles
+    assert not has_amx_bf16(cpuinfo)
+    assert not has_amx_bf16(tmp_path / "absent")  # not Linux

@@ -11,15 +11,14 @@ import torch.nn.functional as F
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
-from nanoserve.common.cpu_features import cpu_flags
+from nanoserve.common.cpu_features import has_amx_bf16
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.core.attention.reference import build_reference_metadata
 from nanoserve.engine_setup import build_engine
 from nanoserve.platforms.cpu import kernels as cpu_kernels
 from nanoserve.platforms.cpu.attention import CpuKernelAttention
 
-AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16"}
-CPU_HAS_AMX = set(cpu_flags() or []) >= AMX_FLAGS
+CPU_HAS_AMX = has_amx_bf16()
 needs_amx = pytest.mark.skipif(not CPU_HAS_AMX, reason="this CPU has no AMX (bf16 tiles)")
 
 

@@ -29,12 +29,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define NANOSERVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx.h"
 #include "simd.h"
 
 namespace {
@@ -46,26 +41,6 @@ constexpr int64_t KEY_BLOCK = 128;    // keys per block (a multiple of 32)
 constexpr float RESCALE_HEADROOM = 8.f;  // log2 of how far a row's maximum may run ahead
 
 #ifdef NANOSERVE_AMX
-
-// Linux hands out AMX's tile state only to a process that asks for it (once).
-bool tiles_permitted() {
-  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return granted;
-}
-
-// Eight tiles of 16 rows by 64 bytes: four accumulators, two A tiles, two B tiles.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig config;
-  for (int tile = 0; tile < 8; ++tile) config.bytes_per_row[tile] = 64, config.rows[tile] = 16;
-  _tile_loadconfig(&config);
-}
 
 // 64-byte aligned float32 or bf16 storage (a tile row is one cache line).
 template <typename T>
@@ -266,7 +241,7 @@ void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w
 
 bool prompt_attention_is_available() {
 #ifdef NANOSERVE_AMX
-  return tiles_permitted();
+  return amx::tiles_permitted();
 #else
   return false;
 #endif
@@ -305,7 +280,7 @@ at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     thread_local TaskScratch scratch;
     scratch.reserve(H / Hkv * QUERY_BLOCK, D);
-    configure_tiles();
+    amx::TileConfig().load();  // eight tiles of 16 rows by 64 bytes: 4 sums, 2 A, 2 B
     for (int64_t t; (t = next_task.fetch_add(1)) < tasks;)  // the last query blocks first
       attend_block(chunk, t % Hkv, query_blocks - 1 - t / Hkv, scratch);
     _tile_release();
