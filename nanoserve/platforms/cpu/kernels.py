@@ -1,7 +1,8 @@
 """nanoserve's C++ kernels for CPU (`platforms/cpu/csrc/*.cpp`), built once per install.
 
     int8_gemv               int8 weight-only products of decode steps (quantization/int8.py)
-    bf16_gemv               bf16 products of decode steps, from the plain weight (linear.py)
+    bf16_gemv               bf16 products of decode steps, from the plain weight (linear.py);
+                            on AMX's tile units where the CPU has them (amx_bf16_gemv)
     paged_decode_attention  decode steps' attention, read in place from the paged KV cache
                             (attention.py)
     rms_norm                RMSNorm in one pass per row (fused_ops.py)
@@ -22,7 +23,7 @@ than their arithmetic (and PyTorch's int8 kernel converts more slowly than memor
 extension builder compiles the sources with the host's C++ compiler for this CPU
 (`-march=native`, about a minute), then the GEMVs' prefetch distance is timed, and up to how
 many tokens the bf16 GEMV beats oneDNN's packed product (`gemv_max_rows`, an attribute of the
-loaded module: on CPUs with AMX, oneDNN's product is as fast from one token up). The result lives
+loaded module). The result lives
 in the install's own folder (`build_directory`: under `sys.prefix`, named after this CPU's
 instruction sets and a hash of what the library is built from), so two virtual environments
 never share, rebuild or lock each other's build, and every start imports it in a fraction of a
@@ -65,6 +66,7 @@ logger = logging.getLogger("nanoserve.cpu_kernels")
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = (
+    "amx_gemv.cpp",
     "bindings.cpp",
     "decode_attention.cpp",
     "decode_layers.cpp",

@@ -4,10 +4,10 @@
 once at start-up (what inductor's freezing pass does, and vLLM's CPU backend) makes every product
 cheaper at every batch size, with bit-identical results (benchmarks/RESULTS.md, "Packed weights").
 
-Decode steps of a few tokens are bound by how fast the weights stream from memory. On some
-CPUs oneDNN's product streams them slower than our compiled GEMV (`csrc/gemv.cpp`, see
-`cpu_kernels`) streams the plain weight; on others (those with AMX) it is as fast from one
-token up. The kernels' build times both (`gemv_max_rows`: up to how many tokens the GEMV is
+Decode steps of a few tokens are bound by how fast the weights stream from memory. On many
+CPUs oneDNN's product streams them slower than our compiled GEMV (`csrc/gemv.cpp`, on AMX's
+tile units `csrc/amx_gemv.cpp`; see `cpu_kernels`) streams the plain weight. The kernels'
+build times both (`gemv_max_rows`: up to how many tokens the GEMV is
 faster). Where it is, each layer keeps its plain weight beside the packed one: decode steps of
 up to that many tokens read the plain one, prefills and larger batches the packed one (so the
 linear weights take twice their memory; a tied LM head's plain weight is the embedding's, which

@@ -4,6 +4,10 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, "[M, K] bf16 x [N, K] int8 weight * [N] scales -> [M, N]");
   m.def("bf16_gemv", &bf16_gemv, "[M, K] bf16 x [N, K] bf16 weight -> [M, N] (M <= 8)");
+  m.def("amx_bf16_gemv", &amx_bf16_gemv,
+        "[M, K] bf16 x [N, K] bf16 weight -> [M, N] on AMX tiles (M <= 16, K % 32, N % 16)");
+  m.def("amx_gemv_applies", &amx_gemv_applies,
+        "(x, weight): does bf16_gemv multiply these on AMX tiles here?");
   m.def("moe_bf16_gemv", &moe_bf16_gemv,
         "[A, K] bf16 rows grouped by expert x [E, N, K] bf16 experts -> [A, N]");
   m.def("moe_int8_gemv", &moe_int8_gemv,

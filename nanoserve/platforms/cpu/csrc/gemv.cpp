@@ -8,7 +8,8 @@
 // (rows one after another: one sequential stream for the hardware prefetcher, helped where it
 // pays by an explicit prefetch ahead), and multiplied by every token's activations, which stay
 // in L1. Rows are split across torch's intra-op threads. Callers: quantization/int8.py (int8),
-// cpu_linear.py (bf16).
+// cpu_linear.py (bf16). Where the CPU has AMX, bf16_gemv hands whole tiles to amx_gemv.cpp,
+// whose one tile product serves up to 16 tokens (AVX-512's dot products cost one per token).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -24,6 +25,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels.h"
 #include "simd.h"
 
 // How far ahead of the product the weights are fetched, in bytes (0: the hardware prefetcher
@@ -436,6 +438,8 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16);
   TORCH_CHECK(weight.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(M >= 1 && M <= 8, "the decode GEMVs take 1 to 8 rows, got ", M);
+  if (amx_gemv_applies(x, weight)) return amx_bf16_gemv(x, weight);  // tiles (amx_gemv.cpp)
   const at::Tensor activations = gemv_activations(x);
   const int64_t ahead = prefetch_bytes.load();
   auto out = at::empty({M, N}, x.options());

@@ -14,6 +14,10 @@ at::Tensor moe_int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales, at:
 void set_gemv_prefetch(int64_t bytes);
 int64_t gemv_prefetch();
 
+// amx_gemv.cpp
+bool amx_gemv_applies(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor amx_bf16_gemv(const at::Tensor& x, const at::Tensor& weight);
+
 // decode_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);

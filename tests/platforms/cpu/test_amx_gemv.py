@@ -1,0 +1,80 @@
+"""The AMX decode product (csrc/amx_gemv.cpp): a few tokens times a plain bf16 weight on the
+tile units, float32 sums rounded once, and bf16_gemv's route to it where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.common.cpu_features import has_amx_bf16
+from nanoserve.platforms.cpu.kernels import load_cpu_kernels
+
+CPU_HAS_AMX = has_amx_bf16()
+needs_amx = pytest.mark.skipif(not CPU_HAS_AMX, reason="this CPU has no AMX (bf16 tiles)")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    kernels = load_cpu_kernels()  # the CI image has g++ and ninja
+    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
+    return kernels
+
+
+def bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.bfloat16)
+
+
+def test_it_applies_to_whole_tiles_wherever_the_cpu_has_amx(kernels):
+    assert kernels.amx_gemv_applies(bf16(8, 1024), bf16(4096, 1024)) == CPU_HAS_AMX
+    assert not kernels.amx_gemv_applies(bf16(8, 1024), bf16(37, 1024))  # rows: not 16s
+    assert not kernels.amx_gemv_applies(bf16(8, 1000), bf16(64, 1000))  # k: not 32s
+    assert not kernels.amx_gemv_applies(bf16(17, 1024), bf16(64, 1024))  # > 16 tokens
+
+
+@needs_amx
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (80, 1024), (1024, 3072)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16])
+def test_it_is_the_float32_product_rounded_once(kernels, out_features, in_features, rows):
+    torch.manual_seed(rows)
+    weight, x = bf16(out_features, in_features), bf16(rows, in_features)
+    out = kernels.amx_bf16_gemv(x, weight)  # [rows, out_features]
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    expected = x.float() @ weight.float().T  # bf16 products are exact in float32
+    torch.testing.assert_close(out.float(), expected, atol=1e-4, rtol=2**-8)
+
+
+@needs_amx
+def test_bf16_gemv_multiplies_whole_tiles_there(kernels):
+    weight, x = bf16(4096, 1024), bf16(8, 1024)
+    assert torch.equal(kernels.bf16_gemv(x, weight), kernels.amx_bf16_gemv(x, weight))
+
+
+@needs_amx
+def test_a_nan_or_an_infinity_reaches_its_tokens_outputs_only(kernels):
+    weight, x = bf16(64, 64), bf16(3, 64)
+    x[0, 5], x[2, 9] = float("nan"), float("inf")
+    out = kernels.amx_bf16_gemv(x, weight).float()
+    assert out[0].isnan().all() and out[1].isfinite().all()
+    expected = x.float() @ weight.float().T  # +-inf, or NaN where a weight is 0
+    assert torch.equal(out[2].isinf(), expected[2].isinf())
+
+
+@needs_amx
+def test_strided_tokens_and_any_thread_count_give_the_same_outputs(kernels):
+    weight = bf16(16 * 5, 256)  # five blocks: two threads take two and three
+    wide = bf16(4, 512)
+    x = wide[:, ::2]  # not contiguous
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.amx_bf16_gemv(x.contiguous(), weight)
+        torch.set_num_threads(2)
+        two = kernels.amx_bf16_gemv(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each output is one thread's sum, in the same order
+
+
+def test_it_refuses_what_it_does_not_multiply(kernels):
+    with pytest.raises(RuntimeError, match="unsupported shapes"):
+        kernels.amx_bf16_gemv(bf16(2, 64), bf16(37, 64))
