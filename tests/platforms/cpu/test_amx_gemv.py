@@ -76,5 +76,13 @@ def test_strided_tokens_and_any_thread_count_give_the_same_outputs(kernels):
 
 
 def test_it_refuses_what_it_does_not_multiply(kernels):
-    with pytest.raises(RuntimeError, match="unsupported shapes"):
-        kernels.amx_bf16_gemv(bf16(2, 64), bf16(37, 64))
+    refused = [
+        (bf16(2, 64), bf16(37, 64)),  # rows: not 16s
+        (bf16(2, 64), bf16(32, 96)),  # k differs
+        (bf16(2, 64), bf16(64, 32).T),  # a strided weight
+        (bf16(2, 64), torch.randn(32, 64)),  # a float32 weight
+    ]
+    for x, weight in refused:
+        assert not kernels.amx_gemv_applies(x, weight)
+        with pytest.raises(RuntimeError, match="unsupported shapes"):
+            kernels.amx_bf16_gemv(x, weight)

@@ -94,15 +94,18 @@ void products_of_blocks(const bf16* weight, const bf16* tokens, int64_t K, int64
 
 bool amx_gemv_applies(const at::Tensor& x, const at::Tensor& weight) {
 #ifdef NANOSERVE_AMX
-  return amx::tiles_permitted() && x.size(0) >= 1 && x.size(0) <= MOST_TOKENS &&
-         x.size(1) % TILE_K == 0 && weight.size(0) % BLOCK_ROWS == 0;
+  return amx::tiles_permitted() && x.dim() == 2 && weight.dim() == 2 &&
+         x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+         weight.is_contiguous() && x.size(1) == weight.size(1) && x.size(0) >= 1 &&
+         x.size(0) <= MOST_TOKENS && x.size(1) % TILE_K == 0 && weight.size(0) % BLOCK_ROWS == 0;
 #else
   return false;
 #endif
 }
 
 // x [M, K] bf16 (1 <= M <= 16, K % 32 == 0), weight [N, K] bf16 contiguous (N % 16 == 0)
-// -> [M, N] bf16 (float32 sums, rounded once). Only where amx_gemv_applies.
+// -> [M, N] bf16 (float32 sums, rounded once). Only where amx_gemv_applies (which checks all
+// of that, and that the CPU has the tiles).
 at::Tensor amx_bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(amx_gemv_applies(x, weight), "amx_bf16_gemv: no AMX here, or unsupported shapes");
 #ifdef NANOSERVE_AMX
