@@ -6,7 +6,7 @@
     python -m benchmarks.cpu_defaults fused       # decode with fused norm/RoPE kernels and without
     python -m benchmarks.cpu_defaults gemv        # the bf16 decode GEMV against oneDNN's product
     python -m benchmarks.cpu_defaults attention   # decode attention: our kernel against eager
-    python -m benchmarks.cpu_defaults prompt-attention  # prompt chunks: AMX kernel against SDPA
+    python -m benchmarks.cpu_defaults prompt-attention  # prompt chunks: our kernel against SDPA
     python -m benchmarks.cpu_defaults bf16-methods  # the CPU's bf16 linears vs float32, F.linear
 
 Arms that are compared run in one process, alternating round by round, so that a noisy machine
@@ -303,20 +303,20 @@ def chunk_attention_ms(attend: Callable[..., torch.Tensor], num_tokens: int) -> 
 
 
 def measure_prompt_attention(rounds: int, num_tokens: int) -> None:
-    """One model, prompt chunks through the AMX kernel and through SDPA, round by round: one
-    layer's attention alone, then a whole cold prefill."""
+    """One model, prompt chunks through our prompt kernel (AMX tiles or AVX-512 BF16) and
+    through SDPA, round by round: one layer's attention alone, then a whole cold prefill."""
     llm = LLM(QWEN3_06B, load_format="dummy", max_model_len=max(4096, num_tokens + 1))
     backend = llm.engine.kv_cache.backend
-    if not getattr(backend, "amx_prompts", False):
-        print("no AMX prompt kernel here (no AMX, or the kernels did not build)")
+    if not getattr(backend, "prompt_kernel", False):
+        print("no prompt kernel here (no AVX-512 BF16, or the kernels did not build)")
         return
     kernel, sdpa = backend.attend_chunk, chunk_attention
-    layer: dict[str, list[float]] = {"amx": [], "sdpa": []}
-    prefill: dict[str, list[float]] = {"amx": [], "sdpa": []}
+    layer: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+    prefill: dict[str, list[float]] = {"kernel": [], "sdpa": []}
     prefill_s(llm, num_tokens, first=1)
     for r in range(rounds):
-        for name, attend in (("amx", kernel), ("sdpa", sdpa)):
-            backend.amx_prompts = name == "amx"  # the backend's own choice, for both timings
+        for name, attend in (("kernel", kernel), ("sdpa", sdpa)):
+            backend.prompt_kernel = name == "kernel"  # the backend's own choice, for both timings
             layer[name].append(chunk_attention_ms(attend, num_tokens))
             prefill[name].append(prefill_s(llm, num_tokens, first=10 + 2 * r + len(name)) * 1e3)
         print(
@@ -325,12 +325,12 @@ def measure_prompt_attention(rounds: int, num_tokens: int) -> None:
                 f"{k} layer {layer[k][-1]:.2f} ms, prefill {prefill[k][-1]:.0f} ms" for k in layer
             )
         )
-    amx, ref = median(layer["amx"]), median(layer["sdpa"])
-    amx_prefill, ref_prefill = median(prefill["amx"]), median(prefill["sdpa"])
+    ours, ref = median(layer["kernel"]), median(layer["sdpa"])
+    ours_prefill, ref_prefill = median(prefill["kernel"]), median(prefill["sdpa"])
     print(
-        f"{num_tokens}-token prompt, medians: one layer's attention amx {amx:.2f} / sdpa "
-        f"{ref:.2f} ms ({ref / amx:.2f}x); cold prefill amx {amx_prefill:.0f} / sdpa "
-        f"{ref_prefill:.0f} ms ({ref_prefill / amx_prefill:.2f}x)"
+        f"{num_tokens}-token prompt, medians: one layer's attention kernel {ours:.2f} / sdpa "
+        f"{ref:.2f} ms ({ref / ours:.2f}x); cold prefill kernel {ours_prefill:.0f} / sdpa "
+        f"{ref_prefill:.0f} ms ({ref_prefill / ours_prefill:.2f}x)"
     )
 
 

@@ -39,6 +39,12 @@ def has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return not BF16_FLAGS.isdisjoint(flags)
 
 
+def has_avx512_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU has AVX-512 BF16's pair dot products (AMD Zen 4 on, Intel Cooper Lake
+    and Sapphire Rapids on), which the CPU kernels' prompt attention uses where it has no AMX."""
+    return "avx512_bf16" in (cpu_flags(cpuinfo) or [])
+
+
 def has_amx_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """True when the CPU has AMX's bf16 tiles (Intel Xeon since Sapphire Rapids), which the CPU
     kernels' prompt attention and decode products use where they were built for them."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.common.cpu_features import has_amx_bf16, has_native_bf16
+from nanoserve.common.cpu_features import has_amx_bf16, has_avx512_bf16, has_native_bf16
 
 
 @pytest.mark.parametrize(
@@ -38,3 +38,14 @@ def test_amx_needs_the_tiles_their_bf16_products_and_avx512_bf16(tmp_path):
     cpuinfo.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_tile\n")  # no bf16 tiles
     assert not has_amx_bf16(cpuinfo)
     assert not has_amx_bf16(tmp_path / "absent")  # not Linux
+
+
+def test_avx512_bf16_is_its_own_flag_not_any_bf16(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n")  # AMD Zen 4/5
+    assert has_avx512_bf16(cpuinfo)
+    cpuinfo.write_text("flags\t\t: fpu avx2 avx512f avx512_vnni\n")  # Ice Lake: no bf16
+    assert not has_avx512_bf16(cpuinfo)
+    cpuinfo.write_text("Features\t: fp asimd bf16\n")  # Arm's bf16 is another instruction set
+    assert not has_avx512_bf16(cpuinfo)
+    assert not has_avx512_bf16(tmp_path / "absent")

@@ -19,9 +19,10 @@ chunks while the step's (token, key) pairs are few (`TOKEN_BY_TOKEN_PAIRS`: a sh
 with little or nothing cached, the first request of a chat): the kernel computes each token's
 scores alone, a dot product per key, which costs more per pair than SDPA's blocks but little
 at such sizes, and such a step can then run fused (`fused_decode.py`). Other prompt chunks
-attend as in the reference backend: over the gathered context, through our AMX kernel
-(`csrc/prompt_attention.cpp`: flash attention whose two products run on the tile units) where the
-CPU has AMX and the chunk is bf16, else through SDPA's flash kernel.
+attend as in the reference backend: over the gathered context, through our prompt kernel
+(`csrc/prompt_attention.cpp`: flash attention whose two products run on AMX's tile units, or on
+AVX-512 BF16's pair dot products where there are no tiles) where the CPU has either and the
+chunk is bf16, else through SDPA's flash kernel.
 """
 
 from __future__ import annotations
@@ -62,13 +63,13 @@ class CpuKernelMetadata(ReferenceMetadata):
 
 class CpuKernelAttention(ReferenceAttention):
     """Reference attention whose decode tokens, and short chunks, take the paged-decode kernel,
-    and whose longer prompt chunks take the AMX kernel where there is one."""
+    and whose longer bf16 prompt chunks take the prompt kernel where the CPU has bf16 products."""
 
     name = "cpu"
 
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
-        self.amx_prompts = kernels.prompt_attention_is_available()
+        self.prompt_kernel = kernels.prompt_attention_is_available()
 
     def build_metadata(
         self, layout: StepLayout, block_size: int, device: torch.device
@@ -113,13 +114,13 @@ class CpuKernelAttention(ReferenceAttention):
         mask: torch.Tensor | None,  # [Q, K], causal aligned to the last key; None: Q == K
         scale: float,
     ) -> torch.Tensor:  # [Q, H, D]
-        if self.amx_prompts and takes_amx_chunk(query, key, value):
+        if self.prompt_kernel and takes_kernel_chunk(query, key, value):
             return self.kernels.prompt_attention(query, key, value, scale)
         return super().attend_chunk(query, key, value, mask, scale)
 
 
-def takes_amx_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the AMX prompt kernel takes these: bf16 CPU tensors, head dims a multiple of 32,
+def takes_kernel_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the prompt kernel takes these: bf16 CPU tensors, head dims a multiple of 32,
     each token's heads contiguous (a view into a fused qkv output is fine)."""
     tensors = (query, key, value)
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):

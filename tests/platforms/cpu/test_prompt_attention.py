@@ -1,5 +1,6 @@
-"""The AMX prompt-attention kernel (csrc/prompt_attention.cpp): one prompt chunk over its
-context, causal aligned to the last key, against float32 attention over the same bf16 inputs."""
+"""The prompt-attention kernel (csrc/prompt_attention.cpp): one prompt chunk over its context,
+causal aligned to the last key, against float32 attention over the same bf16 inputs; with its
+products on AVX-512 BF16 ("vectors") and on AMX's tiles, each where the CPU has them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.config import EngineConfig
-from nanoserve.common.cpu_features import has_amx_bf16
+from nanoserve.common.cpu_features import has_amx_bf16, has_avx512_bf16
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.core.attention.reference import build_reference_metadata
 from nanoserve.engine_setup import build_engine
@@ -19,7 +20,9 @@ from nanoserve.platforms.cpu import kernels as cpu_kernels
 from nanoserve.platforms.cpu.attention import CpuKernelAttention
 
 CPU_HAS_AMX = has_amx_bf16()
+CPU_HAS_AVX512_BF16 = has_avx512_bf16()
 needs_amx = pytest.mark.skipif(not CPU_HAS_AMX, reason="this CPU has no AMX (bf16 tiles)")
+needs_bf16 = pytest.mark.skipif(not CPU_HAS_AVX512_BF16, reason="this CPU has no AVX-512 BF16")
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,16 @@ def kernels():
     kernels = cpu_kernels.load_cpu_kernels()  # the CI image has g++ and ninja
     assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
     return kernels
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(False, marks=needs_bf16, id="vectors"),
+        pytest.param(True, marks=needs_amx, id="tiles"),
+    ]
+)
+def allow_tiles(request):
+    return request.param
 
 
 def reference(query, key, value, scale):  # float32 attention, the causal mask bottom-right
@@ -48,11 +61,11 @@ def chunk(num_queries, num_keys, heads, kv_heads, head_dim, seed=0):
     return query, key, torch.randn_like(key)
 
 
-def test_the_kernel_is_there_wherever_the_cpu_has_amx(kernels):
-    assert kernels.prompt_attention_is_available() == CPU_HAS_AMX
+def test_the_kernel_is_there_wherever_the_cpu_has_bf16_products(kernels):
+    assert kernels.prompt_attention_is_available() == CPU_HAS_AVX512_BF16
+    assert kernels.prompt_attention_uses_tiles() == CPU_HAS_AMX
 
 
-@needs_amx
 @pytest.mark.parametrize(
     ("num_queries", "num_keys"),
     [
@@ -69,12 +82,12 @@ def test_the_kernel_is_there_wherever_the_cpu_has_amx(kernels):
     ("heads", "kv_heads", "head_dim"), [(16, 8, 128), (32, 4, 128), (4, 1, 64), (3, 3, 256)]
 )
 def test_the_kernel_is_float32_attention_within_bf16_rounding(
-    kernels, num_queries, num_keys, heads, kv_heads, head_dim
+    kernels, allow_tiles, num_queries, num_keys, heads, kv_heads, head_dim
 ):
     query, key, value = chunk(num_queries, num_keys, heads, kv_heads, head_dim)
     scale = head_dim**-0.5
     expected = reference(query, key, value, scale)
-    got = kernels.prompt_attention(query, key, value, scale)
+    got = kernels.prompt_attention(query, key, value, scale, allow_tiles=allow_tiles)
     assert got.dtype == torch.bfloat16 and got.shape == query.shape
     # SDPA's own bf16 kernel is as far from float32 as rounding its output makes it; so is ours
     # (its probabilities are bf16 too).
@@ -82,47 +95,56 @@ def test_the_kernel_is_float32_attention_within_bf16_rounding(
     assert (got.float() - expected).abs().max() <= 2 * sdpa_error + 2e-3
 
 
-@needs_amx
-def test_a_query_never_sees_a_later_key(kernels):
+def test_a_query_never_sees_a_later_key(kernels, allow_tiles):
     query, key, value = chunk(200, 200, 16, 8, 128)
     poisoned_key, poisoned_value = key.clone(), value.clone()
     poisoned_key[150:] = 30.0  # scores that would swamp every other key's
     poisoned_value[150:] = 1e4
-    clean = kernels.prompt_attention(query, key, value, 0.1)
-    poisoned = kernels.prompt_attention(query, poisoned_key, poisoned_value, 0.1)
+    clean = kernels.prompt_attention(query, key, value, 0.1, allow_tiles=allow_tiles)
+    poisoned = kernels.prompt_attention(
+        query, poisoned_key, poisoned_value, 0.1, allow_tiles=allow_tiles
+    )
     torch.testing.assert_close(poisoned[:150], clean[:150], atol=0, rtol=0)
     assert poisoned[150:].float().abs().max() > 100  # the later queries do see them
 
 
-@needs_amx
-def test_scores_that_keep_growing_along_the_keys_stay_exact(kernels):
+def test_scores_that_keep_growing_along_the_keys_stay_exact(kernels, allow_tiles):
     # Each key block's largest score passes the last one's by far more than the kernel's
     # headroom, so the running maximum moves (and the output is rescaled) block after block.
     query, key, value = chunk(260, 520, 8, 8, 64, seed=1)
     growth = torch.linspace(0.1, 12.0, 520)[:, None, None]  # [K, 1, 1]
     key = (query.float().mean(0, keepdim=True).expand(520, -1, -1) * growth).bfloat16()
     scale = 64**-0.5
-    got = kernels.prompt_attention(query, key, value, scale)
+    got = kernels.prompt_attention(query, key, value, scale, allow_tiles=allow_tiles)
     expected = reference(query, key, value, scale)
     sdpa_error = (expected.bfloat16().float() - expected).abs().max()
     assert (got.float() - expected).abs().max() <= 2 * sdpa_error + 2e-3
 
 
-@needs_amx
-def test_queries_may_be_a_view_into_a_fused_projection(kernels):
+def test_queries_may_be_a_view_into_a_fused_projection(kernels, allow_tiles):
     qkv = torch.randn(90, 16 + 2 * 8, 128, dtype=torch.bfloat16)  # [T, H + 2 Hkv, D]
     query, key, value = qkv[:, :16], qkv[:, 16:24], qkv[:, 24:]
-    got = kernels.prompt_attention(query, key, value, 0.09)
+    got = kernels.prompt_attention(query, key, value, 0.09, allow_tiles=allow_tiles)
     contiguous = kernels.prompt_attention(
-        query.contiguous(), key.contiguous(), value.contiguous(), 0.09
+        query.contiguous(), key.contiguous(), value.contiguous(), 0.09, allow_tiles=allow_tiles
     )
     torch.testing.assert_close(got, contiguous, atol=0, rtol=0)
 
 
 @needs_amx
+def test_tiles_and_vectors_sum_the_same_products(kernels):
+    query, key, value = chunk(300, 333, 16, 8, 128, seed=5)
+    tiles = kernels.prompt_attention(query, key, value, 0.088)
+    vectors = kernels.prompt_attention(query, key, value, 0.088, allow_tiles=False)
+    # float32 sums in another order, then the same bf16 rounding of each output
+    assert (tiles.float() - vectors.float()).abs().max() <= 2e-2
+    assert (tiles != vectors).float().mean() < 0.05
+
+
+@needs_bf16
 def test_the_cpu_backend_takes_bf16_chunks_through_the_kernel(kernels):
     backend = CpuKernelAttention(kernels)
-    assert backend.amx_prompts
+    assert backend.prompt_kernel
     query, key, value = chunk(50, 80, 16, 8, 128)
     mask = torch.ones(50, 80, dtype=torch.bool).tril(30)
     got = backend.attend_chunk(query, key, value, mask, 0.088)
@@ -136,7 +158,7 @@ def test_the_cpu_backend_takes_bf16_chunks_through_the_kernel(kernels):
     torch.testing.assert_close(got32, expected32, atol=1e-5, rtol=1e-5)
 
 
-@needs_amx
+@needs_bf16
 def test_a_prompt_step_attends_through_the_kernel(kernels):
     """A step of two prompt chunks (one over a cached prefix) through the backend's forward."""
     block_size, kv_heads, head_dim = 16, 8, 128
@@ -166,15 +188,14 @@ def test_a_prompt_step_attends_through_the_kernel(kernels):
     ).abs().max() + 2e-3
 
 
-@needs_amx
-def test_the_kernel_splits_tasks_across_threads_without_changing_them(kernels):
+def test_the_kernel_splits_tasks_across_threads_without_changing_them(kernels, allow_tiles):
     query, key, value = chunk(300, 300, 16, 8, 128)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernels.prompt_attention(query, key, value, 0.088)
+        one = kernels.prompt_attention(query, key, value, 0.088, allow_tiles=allow_tiles)
         torch.set_num_threads(2)
-        two = kernels.prompt_attention(query, key, value, 0.088)
+        two = kernels.prompt_attention(query, key, value, 0.088, allow_tiles=allow_tiles)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -206,14 +227,14 @@ def greedy_with_logprobs(engine, prompt: list[int]) -> tuple[list[int], list[flo
     return tokens, logprobs
 
 
-@needs_amx
+@needs_bf16
 def test_a_bf16_engine_prefills_through_the_kernel_as_through_sdpa(kernels, tmp_path):
     checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")  # head_dim 32
     config = EngineConfig(model=str(checkpoint), dtype="bfloat16", device="cpu", max_model_len=256)
     with_kernel, with_sdpa = build_engine(config), build_engine(config)
     counting = CountingKernels(with_kernel.kv_cache.backend.kernels)
     with_kernel.kv_cache.backend.kernels = counting
-    with_sdpa.kv_cache.backend.amx_prompts = False
+    with_sdpa.kv_cache.backend.prompt_kernel = False
     prompt = [random.Random(4).randrange(0, 256) for _ in range(150)]  # 11,325 (token, key) pairs
     tokens, logprobs = greedy_with_logprobs(with_kernel, prompt)
     assert counting.prompt_calls == 2  # the prompt's step, once per layer

@@ -33,9 +33,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x [T, H], token_index [A], weights [A], expert_out [A, H]) -> [T, H]: each token's "
         "pairs' weighted outputs, summed in float32");
   m.def("prompt_attention", &prompt_attention,
-        "([Q, H, D] queries, [K, Hkv, D] keys and values, scale) -> [Q, H, D]: a prompt chunk "
-        "over its context, causal aligned to the last key, on AMX (bf16)");
+        "([Q, H, D] queries, [K, Hkv, D] keys and values, scale, allow_tiles=True) -> [Q, H, D]: "
+        "a prompt chunk over its context, causal aligned to the last key, in bf16; its products "
+        "on AMX's tiles where allowed and usable, else on AVX-512 BF16",
+        pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"),
+        pybind11::arg("scale"), pybind11::arg("allow_tiles") = true);
   m.def("prompt_attention_is_available", &prompt_attention_is_available,
+        "was the library built for a CPU with AVX-512 BF16 (which every AMX CPU has)?");
+  m.def("prompt_attention_uses_tiles", &prompt_attention_uses_tiles,
         "was the library built with AMX, and does the OS let this process use its tiles?");
   bind_decode_layers(m);
 }

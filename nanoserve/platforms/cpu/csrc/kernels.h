@@ -44,7 +44,9 @@ at::Tensor moe_combine(at::Tensor x, at::Tensor token_index, at::Tensor weights,
 
 // prompt_attention.cpp
 bool prompt_attention_is_available();
-at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, double scale);
+bool prompt_attention_uses_tiles();
+at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, double scale,
+                            bool allow_tiles);
 
 // decode_layers.cpp: the DecodeLayers class
 void bind_decode_layers(pybind11::module& m);

@@ -1,7 +1,9 @@
-// One prompt chunk's attention on AMX: the chunk's Q queries over its context of K keys (its
+// One prompt chunk's attention in bf16: the chunk's Q queries over its context of K keys (its
 // cached prefix, then its own tokens), each query seeing the keys up to its own position, the
 // causal mask aligned to the bottom right (query i sees keys 0 .. K - Q + i). What PyTorch's
-// flash SDPA computes, with the two products on AMX's tile units and a lighter softmax.
+// flash SDPA computes, with a lighter softmax and the two products on AMX's tile units where the
+// CPU has them (Intel Xeon since Sapphire Rapids), else on AVX-512 BF16's pair dot products
+// (AMD Zen 4 and 5, Intel Cooper Lake): the same blocks, the same packed operands.
 //
 // Flash attention, as in the papers: the queries are cut into blocks of QUERY_BLOCK tokens, the
 // keys into blocks of KEY_BLOCK. One task is (KV head, query block): the GQA group's query heads
@@ -12,10 +14,12 @@
 // not per block; probabilities up to 256 lose nothing in float32 or bf16); the row sums divide O
 // at the end.
 //
-// AMX's products take B in "VNNI" order (pairs of rows interleaved), so each KV head's keys and
-// values are repacked once per call, block by block, before the tasks start. Tiles are 16 rows of
-// 64 bytes (16 float32 or 32 bf16): head dims must be a multiple of 32. Blocks past the end (the
-// last query block, the last key block) are zero-padded so every product is whole tiles.
+// Both kinds of product take B in "VNNI" order (pairs of rows interleaved: each 32-bit word holds
+// two consecutive k of one column), so each KV head's keys and values are repacked once per call,
+// block by block, before the tasks start. Tiles are 16 rows of 64 bytes (16 float32 or 32 bf16),
+// and the vector products work in 32 columns at least: head dims must be a multiple of 32. Blocks
+// past the end (the last query block, the last key block) are zero-padded so every product is
+// whole.
 //
 // Tasks go largest first (query blocks at the end see the most keys) to threads that take the
 // next one as they finish, which evens out the causal triangle's work.
@@ -32,6 +36,10 @@
 #include "amx.h"
 #include "simd.h"
 
+#if defined(__AVX512BF16__)
+#define NANOSERVE_PROMPT_KERNEL 1
+#endif
+
 namespace {
 
 using bf16 = at::BFloat16;
@@ -40,7 +48,7 @@ constexpr int64_t QUERY_BLOCK = 128;  // queries per task and head
 constexpr int64_t KEY_BLOCK = 128;    // keys per block (a multiple of 32)
 constexpr float RESCALE_HEADROOM = 8.f;  // log2 of how far a row's maximum may run ahead
 
-#ifdef NANOSERVE_AMX
+#ifdef NANOSERVE_PROMPT_KERNEL
 
 // 64-byte aligned float32 or bf16 storage (a tile row is one cache line).
 template <typename T>
@@ -106,6 +114,63 @@ void pack_values(const bf16* values, int64_t ld, int64_t n, int64_t D, bf16* out
   }
 }
 
+// out[4, 16 * COLS] = a[4, P] . b[P, 16 * COLS] (plus out's own values if ACCUMULATE) on
+// AVX-512 BF16, the sums held in registers: each 32-bit word of a and b is a pair of bf16 along
+// P's dimension; a row's word is broadcast and multiplied into 16 columns' pairs of b at once.
+// Strides are in words (a, b) and floats (out).
+template <int COLS, bool ACCUMULATE>
+void vector_block(const int32_t* a, int64_t lda, const int32_t* b, int64_t ldb, int64_t P,
+                  float* out, int64_t ldo) {
+  constexpr int ROWS = 4;
+  __m512 sums[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c)
+      sums[r][c] = ACCUMULATE ? _mm512_loadu_ps(out + r * ldo + 16 * c) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh columns[COLS];
+    for (int c = 0; c < COLS; ++c)
+      columns[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * ldb + 16 * c));
+    for (int r = 0; r < ROWS; ++r) {
+      const auto pair = reinterpret_cast<__m512bh>(_mm512_set1_epi32(a[r * lda + p]));
+      for (int c = 0; c < COLS; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], pair, columns[c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) _mm512_storeu_ps(out + r * ldo + 16 * c, sums[r][c]);
+}
+
+// out[M, N] (+)= a[M, P] . b[P, N] in blocks of 4 rows by 64 columns (M a multiple of 4, N of 32).
+template <bool ACCUMULATE>
+void vector_product(const int32_t* a, int64_t lda, const int32_t* b, int64_t ldb, int64_t P,
+                    float* out, int64_t ldo, int64_t M, int64_t N) {
+  for (int64_t i = 0; i < M; i += 4) {
+    int64_t j = 0;
+    for (; j + 64 <= N; j += 64)
+      vector_block<4, ACCUMULATE>(a + i * lda, lda, b + j, ldb, P, out + i * ldo + j, ldo);
+    if (j < N) vector_block<2, ACCUMULATE>(a + i * lda, lda, b + j, ldb, P, out + i * ldo + j, ldo);
+  }
+}
+
+// The two products of a key block on AVX-512 BF16.
+struct VectorProducts {
+  static void start() {}
+  static void finish() {}
+  // scores[M, KEY_BLOCK] = queries[M, D] . packed keys ([D/2, KEY_BLOCK] pairs)
+  static void scores(const bf16* queries, const bf16* keys, float* scores, int64_t M, int64_t D) {
+    vector_product<false>(reinterpret_cast<const int32_t*>(queries), D / 2,
+                          reinterpret_cast<const int32_t*>(keys), KEY_BLOCK, D / 2, scores,
+                          KEY_BLOCK, M, KEY_BLOCK);
+  }
+  // out[M, D] += probabilities[M, :keys] . packed values ([keys/2, D] pairs)
+  static void accumulate(const bf16* probabilities, const bf16* values, float* out, int64_t M,
+                         int64_t D, int64_t keys) {
+    vector_product<true>(reinterpret_cast<const int32_t*>(probabilities), KEY_BLOCK / 2,
+                         reinterpret_cast<const int32_t*>(values), D, keys / 2, out, D, M, D);
+  }
+};
+
+#ifdef NANOSERVE_AMX
+
 // scores[M, KEY_BLOCK] = queries[M, D] . packed keys; in 32 x 32 blocks of four tiles.
 void tile_scores(const bf16* queries, const bf16* keys, float* scores, int64_t M, int64_t D) {
   constexpr int64_t S_ROW = KEY_BLOCK * 4, K_ROW = KEY_BLOCK * 4;  // bytes from row to row
@@ -149,6 +214,16 @@ void tile_accumulate(const bf16* probabilities, const bf16* values, float* out, 
     }
   }
 }
+
+// The two products of a key block on AMX's tiles (each thread configures its tile unit first).
+struct TileProducts {
+  static void start() { amx::TileConfig().load(); }  // 8 tiles of 16 rows: 4 sums, 2 A, 2 B
+  static void finish() { _tile_release(); }
+  static constexpr auto scores = tile_scores;
+  static constexpr auto accumulate = tile_accumulate;
+};
+
+#endif  // NANOSERVE_AMX
 
 // One row of a key block: its first `visible` scores count, the rest are masked. Moves the
 // row's running maximum if this block passes it by more than the headroom (rescaling the row's
@@ -197,6 +272,7 @@ struct Chunk {
 };
 
 // One task: query block `block` of every query head in KV head `kv_head`'s group.
+template <typename Products>
 void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w) {
   const int64_t group = c.H / c.Hkv, M = group * QUERY_BLOCK, D = c.D;
   const int64_t first = block * QUERY_BLOCK, count = std::min(QUERY_BLOCK, c.Q - first);
@@ -216,13 +292,13 @@ void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w
     const int64_t key0 = kb * KEY_BLOCK, keys = std::min(KEY_BLOCK, c.K - key0);
     const int64_t width = (keys + 31) / 32 * 32;
     const int64_t packed = (kv_head * c.key_blocks + kb) * KEY_BLOCK * D;
-    tile_scores(w.queries.data, c.keys_packed + packed, w.scores.data, M, D);
+    Products::scores(w.queries.data, c.keys_packed + packed, w.scores.data, M, D);
     for (int64_t r = 0; r < M; ++r) {
       const int64_t seen = std::min(keys, offset + first + r % QUERY_BLOCK + 1 - key0);
       softmax_row(w.scores.data + r * KEY_BLOCK, seen, width, c.scale_log2, w.row_max.data[r],
                   w.row_sum.data[r], w.out.data + r * D, D, w.probabilities.data + r * KEY_BLOCK);
     }
-    tile_accumulate(w.probabilities.data, c.values_packed + packed, w.out.data, M, D, width);
+    Products::accumulate(w.probabilities.data, c.values_packed + packed, w.out.data, M, D, width);
   }
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t i = 0; i < count; ++i) {
@@ -235,30 +311,25 @@ void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w
   }
 }
 
-#endif  // NANOSERVE_AMX
-
-}  // namespace
-
-bool prompt_attention_is_available() {
-#ifdef NANOSERVE_AMX
-  return amx::tiles_permitted();
-#else
-  return false;
-#endif
+// Every task of the chunk, largest first, to whichever thread is free.
+template <typename Products>
+void attend_all(const Chunk& chunk) {
+  const int64_t query_blocks = (chunk.Q + QUERY_BLOCK - 1) / QUERY_BLOCK;
+  const int64_t tasks = chunk.Hkv * query_blocks;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    thread_local TaskScratch scratch;
+    scratch.reserve(chunk.H / chunk.Hkv * QUERY_BLOCK, chunk.D);
+    Products::start();
+    for (int64_t t; (t = next_task.fetch_add(1)) < tasks;)  // the last query blocks first
+      attend_block<Products>(chunk, t % chunk.Hkv, query_blocks - 1 - t / chunk.Hkv, scratch);
+    Products::finish();
+  });
 }
 
-at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, double scale) {
-  TORCH_CHECK(prompt_attention_is_available(), "prompt_attention needs AMX (bf16 tiles)");
-#ifdef NANOSERVE_AMX
-  const int64_t Q = query.size(0), H = query.size(1), D = query.size(2);
-  const int64_t K = key.size(0), Hkv = key.size(1);
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-                  value.scalar_type() == at::kBFloat16, "bf16 queries, keys and values only");
-  TORCH_CHECK(D % 32 == 0 && H % Hkv == 0 && K >= Q && value.size(0) == K, "unsupported shapes");
-  for (const at::Tensor& t : {query, key, value})
-    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0,
-                "each token's heads must be contiguous");
-  at::Tensor out = at::empty({Q, H, D}, query.options());
+// Each KV head's keys and values in key blocks of VNNI pairs: [Hkv, key_blocks, KEY_BLOCK * D].
+std::pair<at::Tensor, at::Tensor> pack_context(const at::Tensor& key, const at::Tensor& value) {
+  const int64_t K = key.size(0), Hkv = key.size(1), D = key.size(2);
   const int64_t key_blocks = (K + KEY_BLOCK - 1) / KEY_BLOCK;
   at::Tensor keys_packed = at::empty({Hkv, key_blocks, KEY_BLOCK * D}, key.options());
   at::Tensor values_packed = at::empty({Hkv, key_blocks, KEY_BLOCK * D}, value.options());
@@ -272,19 +343,53 @@ at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, 
                   D, values_packed.data_ptr<bf16>() + t * KEY_BLOCK * D);
     }
   });
+  return {keys_packed, values_packed};
+}
+
+#endif  // NANOSERVE_PROMPT_KERNEL
+
+}  // namespace
+
+bool prompt_attention_is_available() {
+#ifdef NANOSERVE_PROMPT_KERNEL
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool prompt_attention_uses_tiles() {
+#ifdef NANOSERVE_AMX
+  return amx::tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, double scale,
+                            bool allow_tiles) {
+  TORCH_CHECK(prompt_attention_is_available(), "prompt_attention needs AVX-512 BF16 or AMX");
+#ifdef NANOSERVE_PROMPT_KERNEL
+  const int64_t Q = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t K = key.size(0), Hkv = key.size(1);
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
+                  value.scalar_type() == at::kBFloat16, "bf16 queries, keys and values only");
+  TORCH_CHECK(D % 32 == 0 && H % Hkv == 0 && K >= Q && value.size(0) == K, "unsupported shapes");
+  for (const at::Tensor& t : {query, key, value})
+    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0,
+                "each token's heads must be contiguous");
+  at::Tensor out = at::empty({Q, H, D}, query.options());
+  const auto [keys_packed, values_packed] = pack_context(key, value);
   const Chunk chunk{query.data_ptr<bf16>(), keys_packed.data_ptr<bf16>(),
                     values_packed.data_ptr<bf16>(), out.data_ptr<bf16>(), Q, K, H, Hkv, D,
-                    query.stride(0), key_blocks, static_cast<float>(scale * M_LOG2E)};
-  const int64_t query_blocks = (Q + QUERY_BLOCK - 1) / QUERY_BLOCK, tasks = Hkv * query_blocks;
-  std::atomic<int64_t> next_task{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    thread_local TaskScratch scratch;
-    scratch.reserve(H / Hkv * QUERY_BLOCK, D);
-    amx::TileConfig().load();  // eight tiles of 16 rows by 64 bytes: 4 sums, 2 A, 2 B
-    for (int64_t t; (t = next_task.fetch_add(1)) < tasks;)  // the last query blocks first
-      attend_block(chunk, t % Hkv, query_blocks - 1 - t / Hkv, scratch);
-    _tile_release();
-  });
+                    query.stride(0), keys_packed.size(1), static_cast<float>(scale * M_LOG2E)};
+#ifdef NANOSERVE_AMX
+  if (allow_tiles && amx::tiles_permitted()) {
+    attend_all<TileProducts>(chunk);
+    return out;
+  }
+#endif
+  attend_all<VectorProducts>(chunk);
   return out;
 #else
   return at::Tensor();
