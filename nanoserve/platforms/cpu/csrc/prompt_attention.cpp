@@ -71,9 +71,10 @@ struct TaskScratch {
   AlignedBuffer<bf16> probabilities;  // [M, KEY_BLOCK]
   AlignedBuffer<float> out;           // [M, D]
   AlignedBuffer<float> row_max, row_sum;  // [M] (row_max in log2 units, scaled)
+  AlignedBuffer<int64_t> widths;          // [M / 4]: keys of the block each 4 rows see
   void reserve(int64_t M, int64_t D) {
     queries.reserve(M * D), scores.reserve(M * KEY_BLOCK), probabilities.reserve(M * KEY_BLOCK);
-    out.reserve(M * D), row_max.reserve(M), row_sum.reserve(M);
+    out.reserve(M * D), row_max.reserve(M), row_sum.reserve(M), widths.reserve(M / 4);
   }
 };
 
@@ -139,43 +140,52 @@ void vector_block(const int32_t* a, int64_t lda, const int32_t* b, int64_t ldb, 
     for (int c = 0; c < COLS; ++c) _mm512_storeu_ps(out + r * ldo + 16 * c, sums[r][c]);
 }
 
-// out[M, N] (+)= a[M, P] . b[P, N] in blocks of 4 rows by 64 columns (M a multiple of 4, N of 32).
+// out[4, N] (+)= a[4, P] . b[P, N] in blocks of 64 columns (N a multiple of 32).
 template <bool ACCUMULATE>
-void vector_product(const int32_t* a, int64_t lda, const int32_t* b, int64_t ldb, int64_t P,
-                    float* out, int64_t ldo, int64_t M, int64_t N) {
-  for (int64_t i = 0; i < M; i += 4) {
-    int64_t j = 0;
-    for (; j + 64 <= N; j += 64)
-      vector_block<4, ACCUMULATE>(a + i * lda, lda, b + j, ldb, P, out + i * ldo + j, ldo);
-    if (j < N) vector_block<2, ACCUMULATE>(a + i * lda, lda, b + j, ldb, P, out + i * ldo + j, ldo);
-  }
+void vector_rows(const int32_t* a, int64_t lda, const int32_t* b, int64_t ldb, int64_t P,
+                 float* out, int64_t ldo, int64_t N) {
+  int64_t j = 0;
+  for (; j + 64 <= N; j += 64) vector_block<4, ACCUMULATE>(a, lda, b + j, ldb, P, out + j, ldo);
+  if (j < N) vector_block<2, ACCUMULATE>(a, lda, b + j, ldb, P, out + j, ldo);
 }
 
-// The two products of a key block on AVX-512 BF16.
+// The two products of a key block on AVX-512 BF16. `widths[i]`: how many of the block's keys
+// (a multiple of 32) rows 4i .. 4i + 3 see; the products skip the rest.
 struct VectorProducts {
   static void start() {}
   static void finish() {}
   // scores[M, KEY_BLOCK] = queries[M, D] . packed keys ([D/2, KEY_BLOCK] pairs)
-  static void scores(const bf16* queries, const bf16* keys, float* scores, int64_t M, int64_t D) {
-    vector_product<false>(reinterpret_cast<const int32_t*>(queries), D / 2,
-                          reinterpret_cast<const int32_t*>(keys), KEY_BLOCK, D / 2, scores,
-                          KEY_BLOCK, M, KEY_BLOCK);
+  static void scores(const bf16* queries, const bf16* keys, float* scores, int64_t M, int64_t D,
+                     const int64_t* widths) {
+    const auto* rows = reinterpret_cast<const int32_t*>(queries);
+    for (int64_t i = 0; i < M; i += 4)
+      vector_rows<false>(rows + i * D / 2, D / 2, reinterpret_cast<const int32_t*>(keys),
+                         KEY_BLOCK, D / 2, scores + i * KEY_BLOCK, KEY_BLOCK, widths[i / 4]);
   }
-  // out[M, D] += probabilities[M, :keys] . packed values ([keys/2, D] pairs)
+  // out[M, D] += probabilities[M, :width] . packed values ([KEY_BLOCK/2, D] pairs)
   static void accumulate(const bf16* probabilities, const bf16* values, float* out, int64_t M,
-                         int64_t D, int64_t keys) {
-    vector_product<true>(reinterpret_cast<const int32_t*>(probabilities), KEY_BLOCK / 2,
-                         reinterpret_cast<const int32_t*>(values), D, keys / 2, out, D, M, D);
+                         int64_t D, const int64_t* widths) {
+    const auto* rows = reinterpret_cast<const int32_t*>(probabilities);
+    for (int64_t i = 0; i < M; i += 4)
+      vector_rows<true>(rows + i * KEY_BLOCK / 2, KEY_BLOCK / 2,
+                        reinterpret_cast<const int32_t*>(values), D, widths[i / 4] / 2,
+                        out + i * D, D, D);
   }
 };
 
 #ifdef NANOSERVE_AMX
 
+// The keys rows i .. i + 31 see, of a block (`widths` as VectorProducts takes them).
+int64_t tile_width(const int64_t* widths, int64_t i) {
+  return *std::max_element(widths + i / 4, widths + i / 4 + 8);
+}
+
 // scores[M, KEY_BLOCK] = queries[M, D] . packed keys; in 32 x 32 blocks of four tiles.
-void tile_scores(const bf16* queries, const bf16* keys, float* scores, int64_t M, int64_t D) {
+void tile_scores(const bf16* queries, const bf16* keys, float* scores, int64_t M, int64_t D,
+                 const int64_t* widths) {
   constexpr int64_t S_ROW = KEY_BLOCK * 4, K_ROW = KEY_BLOCK * 4;  // bytes from row to row
   for (int64_t i = 0; i < M; i += 32) {
-    for (int64_t j = 0; j < KEY_BLOCK; j += 32) {
+    for (int64_t j = 0, width = tile_width(widths, i); j < width; j += 32) {
       _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
       for (int64_t d = 0; d < D; d += 32) {
         _tile_loadd(4, queries + i * D + d, D * 2);
@@ -193,10 +203,11 @@ void tile_scores(const bf16* queries, const bf16* keys, float* scores, int64_t M
   }
 }
 
-// out[M, D] += probabilities[M, :keys] . packed values (keys a multiple of 32).
+// out[M, D] += probabilities[M, :width] . packed values.
 void tile_accumulate(const bf16* probabilities, const bf16* values, float* out, int64_t M,
-                     int64_t D, int64_t keys) {
+                     int64_t D, const int64_t* widths) {
   for (int64_t i = 0; i < M; i += 32) {
+    const int64_t keys = tile_width(widths, i);
     for (int64_t d = 0; d < D; d += 32) {
       float* corner = out + i * D + d;
       _tile_loadd(0, corner, D * 4); _tile_loadd(1, corner + 16, D * 4);
@@ -290,15 +301,19 @@ void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w
   const int64_t last_key = offset + first + count - 1;
   for (int64_t kb = 0; kb <= last_key / KEY_BLOCK; ++kb) {
     const int64_t key0 = kb * KEY_BLOCK, keys = std::min(KEY_BLOCK, c.K - key0);
-    const int64_t width = (keys + 31) / 32 * 32;
+    const auto seen = [&](int64_t r) {  // how many of the block's keys row r sees
+      return std::min(keys, offset + first + r % QUERY_BLOCK + 1 - key0);
+    };
+    for (int64_t i = 0; i < M; i += 4)  // the last of 4 rows (one head's) sees the most
+      w.widths.data[i / 4] = std::max<int64_t>(0, (seen(i + 3) + 31) / 32 * 32);
     const int64_t packed = (kv_head * c.key_blocks + kb) * KEY_BLOCK * D;
-    Products::scores(w.queries.data, c.keys_packed + packed, w.scores.data, M, D);
-    for (int64_t r = 0; r < M; ++r) {
-      const int64_t seen = std::min(keys, offset + first + r % QUERY_BLOCK + 1 - key0);
-      softmax_row(w.scores.data + r * KEY_BLOCK, seen, width, c.scale_log2, w.row_max.data[r],
-                  w.row_sum.data[r], w.out.data + r * D, D, w.probabilities.data + r * KEY_BLOCK);
-    }
-    Products::accumulate(w.probabilities.data, c.values_packed + packed, w.out.data, M, D, width);
+    Products::scores(w.queries.data, c.keys_packed + packed, w.scores.data, M, D, w.widths.data);
+    for (int64_t r = 0; r < M; ++r)
+      softmax_row(w.scores.data + r * KEY_BLOCK, seen(r), w.widths.data[r / 4], c.scale_log2,
+                  w.row_max.data[r], w.row_sum.data[r], w.out.data + r * D, D,
+                  w.probabilities.data + r * KEY_BLOCK);
+    Products::accumulate(w.probabilities.data, c.values_packed + packed, w.out.data, M, D,
+                         w.widths.data);
   }
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t i = 0; i < count; ++i) {
