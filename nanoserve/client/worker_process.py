@@ -43,14 +43,17 @@ def worker_environment(num_local_ranks: int = 1) -> dict[str, str]:
       front and its HTTP clients keep a core. Ranks of one engine share them.
     - OpenMP keeps its default wait policy (spin briefly between parallel regions, then sleep):
       passive waiting pays a thread wake-up on every op.
-    - PyTorch's CPU allocator backs tensors of 2 MB and more with transparent huge pages
-      (THP_MEM_ALLOC_ENABLE=1 unless set): decoding streams every weight once per token, and
-      with 4 KB pages each 4 KB costs a TLB miss.
+    - PyTorch's CPU allocator keeps its default 4 KB pages: THP_MEM_ALLOC_ENABLE is left to the
+      user. Huge pages under every tensor of 2 MB and more made decoding 1-8% faster on some
+      machines (fewer TLB misses while weights stream), but on a virtual machine whose host
+      backs memory on first touch they cost 3-4 s of every start (the weights and their packed
+      copies faulted in 2 MB at a time) and gained nothing measurable.
     - glibc keeps what the worker frees (GLIBC_TUNABLES=KEEP_FREED_MEMORY unless set). With
-      PyTorch's huge-page blocks, glibc's defaults handed freed memory back to the OS, so every
-      prefill faulted its activations in afresh (~11,000 page faults, each zeroed by the kernel,
-      for a 1,500-token prompt of the 0.6B shape); now the next prefill reuses the same memory.
-      The worker's memory stays at its high-water mark, which the largest step bounds.
+      PyTorch's huge-page blocks (THP_MEM_ALLOC_ENABLE=1), glibc's defaults handed freed memory
+      back to the OS, so every prefill faulted its activations in afresh (~11,000 page faults,
+      each zeroed by the kernel, for a 1,500-token prompt of the 0.6B shape); now the next
+      prefill reuses the same memory. The worker's memory stays at its high-water mark, which
+      the largest step bounds.
     - oneDNN's caches of compiled matmul primitives hold WORKER_KERNEL_CACHE_SIZE entries each
       (LRU_CACHE_CAPACITY: PyTorch's ideep op cache; ONEDNN_PRIMITIVE_CACHE_CAPACITY), not their
       default 1,024: every new token count of a step compiles a primitive, and a long mixed load
@@ -60,7 +63,6 @@ def worker_environment(num_local_ranks: int = 1) -> dict[str, str]:
     """
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(worker_threads(os.cpu_count() or 1, num_local_ranks)))
-    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     env.setdefault("GLIBC_TUNABLES", KEEP_FREED_MEMORY)
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
         env.setdefault(name, str(WORKER_KERNEL_CACHE_SIZE))

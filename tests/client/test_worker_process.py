@@ -41,11 +41,11 @@ def test_worker_environment_leaves_a_core_and_keeps_openmp_waiting(monkeypatch):
     assert worker_environment()["OMP_NUM_THREADS"] == "3"
 
 
-def test_worker_environment_asks_for_huge_pages_unless_told_otherwise(monkeypatch):
+def test_worker_environment_leaves_huge_pages_to_the_user(monkeypatch):
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert "THP_MEM_ALLOC_ENABLE" not in worker_environment()  # PyTorch's default: off
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
     assert worker_environment()["THP_MEM_ALLOC_ENABLE"] == "1"
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
-    assert worker_environment()["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 def test_worker_environment_keeps_freed_memory_unless_told_otherwise(monkeypatch):
@@ -81,6 +81,8 @@ def refaults(env: dict[str, str]) -> int:
 def test_the_worker_reuses_freed_memory_instead_of_faulting_it_in_again(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert refaults(worker_environment()) < 20  # the default: 4 KB pages
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")  # a user's choice of huge pages
     env = worker_environment()
     assert refaults(env) < 20  # the heap's memory, mapped in the first rounds
     # glibc's defaults hand the huge-page blocks back and map them anew every round (at least a
