@@ -313,8 +313,9 @@ def tune_gemv_prefetch(module: ModuleType, rounds: int = 3) -> int:
 
 def tune_gemv_rows(module: ModuleType, rounds: int = 3) -> int:
     """The most tokens (up to GEMV_MAX_CALL_ROWS) for which the bf16 GEMV multiplies by a
-    layer's weights at least GEMV_MARGIN faster than oneDNN's packed product does on this CPU
-    (0: at no size; then no linear keeps its plain weight beside the packed one). Timed on
+    layer's weights; 0 unless it is at least GEMV_MARGIN faster than oneDNN's packed product at
+    one token (then no linear keeps its plain weight beside the packed one). Where it is, it
+    takes each further size while it stays faster (the plain copy is kept either way). Timed on
     TUNING_LAYER's shapes, repeated past the last-level cache (a model's weights do not fit
     in it: what comes from memory is what counts); where oneDNN cannot pack bf16,
     GEMV_MAX_CALL_ROWS. Sets and returns it."""
@@ -331,10 +332,10 @@ def tune_gemv_rows(module: ModuleType, rounds: int = 3) -> int:
                 seconds = time_products(module, how, num_rows, weights, packed)
                 best[how, num_rows] = min(best.get((how, num_rows), seconds), seconds)
     chosen = 0
-    while chosen < GEMV_MAX_CALL_ROWS and (
-        best["gemv", chosen + 1] < (1 - GEMV_MARGIN) * best["packed", chosen + 1]
-    ):
-        chosen += 1
+    if best["gemv", 1] < (1 - GEMV_MARGIN) * best["packed", 1]:
+        chosen = 1
+        while chosen < GEMV_MAX_CALL_ROWS and best["gemv", chosen + 1] < best["packed", chosen + 1]:
+            chosen += 1
     timings = ", ".join(
         f"{n}: {best['gemv', n] * 1e3:.1f}/{best['packed', n] * 1e3:.1f} ms"
         for n in range(1, GEMV_MAX_CALL_ROWS + 1)
