@@ -181,25 +181,9 @@ static int64_t activation_position(int64_t k, int64_t K) {
   return start + (j % 2) * 8 + j / 2;
 }
 
-// Where bf16_row_dot's AVX-512 loop finds row m's 32 activations from k (a multiple of 32):
-// x + m * row + (k / 32) * chunk. Rows one after another ({K, 32}), or the same 32 k of every row
-// side by side ([K/32, M, 32]: {32, 32 M}), so that the M loads beside each weight load read one
-// contiguous run instead of M lines a whole row apart: from 5 rows on, that streamed the weights
-// faster on an AMD EPYC (benchmarks/RESULTS.md).
-struct ActivationLayout {
-  int64_t row, chunk;
-};
-constexpr int64_t INTERLEAVE_FROM_ROWS = 5;
-
-static bool interleaves(int64_t M, int64_t K) {
-  return std::is_same_v<Activation, at::BFloat16> && M >= INTERLEAVE_FROM_ROWS && K % 32 == 0;
-}
-
-// x [rows, K] bf16 as Activation values, contiguous (positions as above where they are float32),
-// or [K/32, rows, 32] where `interleaves` says so.
-static at::Tensor gemv_activations(const at::Tensor& x, bool interleave = false) {
+// x [rows, K] bf16 as Activation values, contiguous (positions as above where they are float32).
+static at::Tensor gemv_activations(const at::Tensor& x) {
   const at::Tensor xc = x.contiguous();
-  if (interleave) return xc.view({xc.size(0), xc.size(1) / 32, 32}).transpose(0, 1).contiguous();
   if constexpr (std::is_same_v<Activation, at::BFloat16>) {
     return xc;
   } else {
@@ -219,7 +203,7 @@ static at::Tensor gemv_activations(const at::Tensor& x, bool interleave = false)
 // sums; AVX2 widens 16 weights to two float32 vectors and FMAs each with 8 activations.
 template <int M>
 static void bf16_row_dot(const Activation* x, const at::BFloat16* w, int64_t K, int64_t ahead,
-                         float* sums, ActivationLayout layout) {
+                         float* sums) {
   int64_t k = 0;
 #ifdef __AVX512BF16__
   constexpr int U = UNROLL<M>;
@@ -229,9 +213,8 @@ static void bf16_row_dot(const Activation* x, const at::BFloat16* w, int64_t K, 
     for (int u = 0; u < U; ++u) {  // each u reads one 64-byte line (32 weights)
       if (ahead) _mm_prefetch(bytes + 2 * (k + 32 * u) + ahead, _MM_HINT_T0);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
-      const Activation* chunk = x + (k / 32 + u) * layout.chunk;
       for (int m = 0; m < M; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(chunk + m * layout.row);
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u);
         acc[m][u] = _mm512_dpbf16_ps(acc[m][u], xv, wv);
       }
     }
@@ -457,10 +440,7 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(M >= 1 && M <= 8, "the decode GEMVs take 1 to 8 rows, got ", M);
   if (amx_gemv_applies(x, weight)) return amx_bf16_gemv(x, weight);  // tiles (amx_gemv.cpp)
-  const bool interleave = interleaves(M, K);
-  const at::Tensor activations = gemv_activations(x, interleave);
-  const ActivationLayout layout =
-      interleave ? ActivationLayout{32, 32 * M} : ActivationLayout{K, 32};
+  const at::Tensor activations = gemv_activations(x);
   const int64_t ahead = prefetch_bytes.load();
   auto out = at::empty({M, N}, x.options());
   const Activation* xp = activations.data_ptr<Activation>();
@@ -468,7 +448,7 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   with_rows(M, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
     gemv<R, 1>(N, out.data_ptr<at::BFloat16>(), [&](int64_t n, float (&sums)[1][R]) {
-      bf16_row_dot<R>(xp, wp + n * K, K, ahead, sums[0], layout);
+      bf16_row_dot<R>(xp, wp + n * K, K, ahead, sums[0]);
     });
   });
   return out;
@@ -535,7 +515,7 @@ at::Tensor moe_bf16_gemv(at::Tensor x, at::Tensor weight, at::Tensor expert_ids,
           constexpr int R = decltype(rows)::value;
           float sums[R];
           for (int64_t n = n_begin; n < n_end; ++n) {
-            bf16_row_dot<R>(xp + row * K, expert + n * K, K, ahead, sums, {K, 32});
+            bf16_row_dot<R>(xp + row * K, expert + n * K, K, ahead, sums);
             for (int m = 0; m < R; ++m) op[(row + m) * N + n] = static_cast<at::BFloat16>(sums[m]);
           }
         });
