@@ -173,19 +173,20 @@ struct VectorProducts {
   }
 };
 
-#ifdef NANOSERVE_AMX
-
-// The keys rows i .. i + 31 see, of a block (`widths` as VectorProducts takes them).
-int64_t tile_width(const int64_t* widths, int64_t i) {
+// The keys of a block that any of rows i .. i + 31 sees (i a multiple of 32; `widths` as
+// VectorProducts takes them): what a tile product of those 32 rows reads.
+int64_t widest_of_32(const int64_t* widths, int64_t i) {
   return *std::max_element(widths + i / 4, widths + i / 4 + 8);
 }
+
+#ifdef NANOSERVE_AMX
 
 // scores[M, KEY_BLOCK] = queries[M, D] . packed keys; in 32 x 32 blocks of four tiles.
 void tile_scores(const bf16* queries, const bf16* keys, float* scores, int64_t M, int64_t D,
                  const int64_t* widths) {
   constexpr int64_t S_ROW = KEY_BLOCK * 4, K_ROW = KEY_BLOCK * 4;  // bytes from row to row
   for (int64_t i = 0; i < M; i += 32) {
-    for (int64_t j = 0, width = tile_width(widths, i); j < width; j += 32) {
+    for (int64_t j = 0, width = widest_of_32(widths, i); j < width; j += 32) {
       _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
       for (int64_t d = 0; d < D; d += 32) {
         _tile_loadd(4, queries + i * D + d, D * 2);
@@ -207,7 +208,7 @@ void tile_scores(const bf16* queries, const bf16* keys, float* scores, int64_t M
 void tile_accumulate(const bf16* probabilities, const bf16* values, float* out, int64_t M,
                      int64_t D, const int64_t* widths) {
   for (int64_t i = 0; i < M; i += 32) {
-    const int64_t keys = tile_width(widths, i);
+    const int64_t keys = widest_of_32(widths, i);
     for (int64_t d = 0; d < D; d += 32) {
       float* corner = out + i * D + d;
       _tile_loadd(0, corner, D * 4); _tile_loadd(1, corner + 16, D * 4);
@@ -308,10 +309,11 @@ void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w
       w.widths.data[i / 4] = std::max<int64_t>(0, (seen(i + 3) + 31) / 32 * 32);
     const int64_t packed = (kv_head * c.key_blocks + kb) * KEY_BLOCK * D;
     Products::scores(w.queries.data, c.keys_packed + packed, w.scores.data, M, D, w.widths.data);
-    for (int64_t r = 0; r < M; ++r)
-      softmax_row(w.scores.data + r * KEY_BLOCK, seen(r), w.widths.data[r / 4], c.scale_log2,
-                  w.row_max.data[r], w.row_sum.data[r], w.out.data + r * D, D,
-                  w.probabilities.data + r * KEY_BLOCK);
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t span = widest_of_32(w.widths.data, r / 32 * 32);  // as far as a tile reads
+      softmax_row(w.scores.data + r * KEY_BLOCK, seen(r), span, c.scale_log2, w.row_max.data[r],
+                  w.row_sum.data[r], w.out.data + r * D, D, w.probabilities.data + r * KEY_BLOCK);
+    }
     Products::accumulate(w.probabilities.data, c.values_packed + packed, w.out.data, M, D,
                          w.widths.data);
   }
