@@ -309,10 +309,11 @@ void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w
       w.widths.data[i / 4] = std::max<int64_t>(0, (seen(i + 3) + 31) / 32 * 32);
     const int64_t packed = (kv_head * c.key_blocks + kb) * KEY_BLOCK * D;
     Products::scores(w.queries.data, c.keys_packed + packed, w.scores.data, M, D, w.widths.data);
-    for (int64_t r = 0; r < M; ++r) {
-      const int64_t span = widest_of_32(w.widths.data, r / 32 * 32);  // as far as a tile reads
-      softmax_row(w.scores.data + r * KEY_BLOCK, seen(r), span, c.scale_log2, w.row_max.data[r],
-                  w.row_sum.data[r], w.out.data + r * D, D, w.probabilities.data + r * KEY_BLOCK);
+    for (int64_t i = 0; i < M; i += 32) {  // probabilities as far as a tile of 32 rows reads
+      const int64_t span = widest_of_32(w.widths.data, i);
+      for (int64_t r = i; r < i + 32; ++r)
+        softmax_row(w.scores.data + r * KEY_BLOCK, seen(r), span, c.scale_log2, w.row_max.data[r],
+                    w.row_sum.data[r], w.out.data + r * D, D, w.probabilities.data + r * KEY_BLOCK);
     }
     Products::accumulate(w.probabilities.data, c.values_packed + packed, w.out.data, M, D,
                          w.widths.data);
@@ -401,7 +402,7 @@ at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, 
                     values_packed.data_ptr<bf16>(), out.data_ptr<bf16>(), Q, K, H, Hkv, D,
                     query.stride(0), keys_packed.size(1), static_cast<float>(scale * M_LOG2E)};
 #ifdef NANOSERVE_AMX
-  if (allow_tiles && amx::tiles_permitted()) {
+  if (allow_tiles && prompt_attention_uses_tiles()) {
     attend_all<TileProducts>(chunk);
     return out;
   }
