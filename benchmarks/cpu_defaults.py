@@ -5,6 +5,7 @@
     python -m benchmarks.cpu_defaults auto-dtype  # a small float32 checkpoint: auto (bf16) vs fp32
     python -m benchmarks.cpu_defaults fused       # decode with fused norm/RoPE kernels and without
     python -m benchmarks.cpu_defaults gemv        # the bf16 decode GEMV against oneDNN's product
+    python -m benchmarks.cpu_defaults gemv-layout  # decode steps: the GEMV's layout vs plain
     python -m benchmarks.cpu_defaults attention   # decode attention: our kernel against eager
     python -m benchmarks.cpu_defaults prompt-attention  # prompt chunks: our kernel against SDPA
     python -m benchmarks.cpu_defaults bf16-methods  # the CPU's bf16 linears vs float32, F.linear
@@ -32,6 +33,7 @@ from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import (
     PackedLinearMethod,
     decode_gemv,
+    decode_gemv_layout,
     pack,
     packed_linear,
     packing_works,
@@ -218,33 +220,66 @@ def measure_fused(rounds: int, prompt_tokens: int = 71) -> None:
     print(f"median {prompt_tokens}-token prefill: plain {plain:.1f}, fused {fused:.1f} ms")
 
 
-def linear_pass_s(product, inputs: dict[int, torch.Tensor], weights: list) -> float:
+def linear_pass_s(
+    product, inputs: dict[int, torch.Tensor], weights: list, in_features: list[int]
+) -> float:
     """Seconds for one pass of `product` over every weight (the fastest of three)."""
     times = []
     for _ in range(3):
         started = time.perf_counter()
-        for weight in weights:
-            product(inputs[weight.shape[1]], weight)
+        for weight, k in zip(weights, in_features, strict=True):
+            product(inputs[k], weight)
         times.append(time.perf_counter() - started)
     return min(times)
 
 
 def measure_gemv_products() -> None:
-    """1-8 tokens times the 0.6B shape's layer weights: the GEMV (plain) vs oneDNN (packed)."""
-    gemv = decode_gemv()
-    assert gemv is not None, "the bf16 GEMV is not built for this CPU"
+    """1-8 tokens times the 0.6B shape's layer weights: oneDNN (packed), the GEMV on the plain
+    weight, and the GEMV on its own layout (`bf16_gemv_weight`: blocks on AVX-512 BF16)."""
+    gemv, layout = decode_gemv(), decode_gemv_layout()
+    assert gemv is not None and layout is not None, "the bf16 GEMV is not built for this CPU"
     shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # [out, in] per layer
     plain = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(28) for shape in shapes]
     packed = [pack(weight) for weight in plain]
+    laid_out = [layout(weight) for weight in plain]
+    in_features = [weight.shape[1] for weight in plain]
     gigabytes = 2 * LINEAR_PARAMS_06B / 1e9
     for rows in range(1, 9):
         inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (1024, 2048, 3072)}
-        onednn = linear_pass_s(lambda x, w: packed_linear(x, w, None), inputs, packed)
-        ours = linear_pass_s(gemv, inputs, plain)
+        product = lambda x, w: packed_linear(x, w, None)  # noqa: E731
+        onednn = linear_pass_s(product, inputs, packed, in_features)
+        on_plain = linear_pass_s(gemv, inputs, plain, in_features)
+        ours = linear_pass_s(gemv, inputs, laid_out, in_features)
         print(
-            f"{rows} rows: oneDNN packed {gigabytes / onednn:.1f} GB/s, GEMV "
-            f"{gigabytes / ours:.1f} GB/s -> {onednn / ours:.2f}x"
+            f"{rows} rows: oneDNN packed {gigabytes / onednn:.1f} GB/s, GEMV plain "
+            f"{gigabytes / on_plain:.1f}, GEMV laid out {gigabytes / ours:.1f} GB/s -> "
+            f"{onednn / ours:.2f}x oneDNN, {on_plain / ours:.2f}x plain"
         )
+
+
+def measure_gemv_layout(rounds: int) -> None:
+    """Decode steps of 1, 4 and 8 requests, one model with the GEMV reading the plain weights
+    (as before the layout) and one with its own layout, round by round."""
+    from benchmarks.decode_steps import median_step_ms
+
+    layout = cpu_linear.decode_gemv_layout
+    cpu_linear.decode_gemv_layout = lambda: None  # type: ignore[assignment]
+    plain = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
+    cpu_linear.decode_gemv_layout = layout  # type: ignore[assignment]
+    laid_out = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
+    for llm in (plain, laid_out):  # the KV pools resident, as the server's worker makes them
+        while llm.engine.idle_work():
+            pass
+    results: dict[tuple[str, int], list[float]] = {}
+    for r in range(rounds):
+        for batch in (1, 4, 8):
+            for name, llm in (("plain", plain), ("laid out", laid_out)):
+                ms = median_step_ms(llm, batch, f"{name}-{r}-{batch}", steps=22)
+                results.setdefault((name, batch), []).append(ms)
+        print(f"round {r + 1}: " + ", ".join(f"{k}: {v[-1]:.1f} ms" for k, v in results.items()))
+    for batch in (1, 4, 8):
+        a, b = median(results["plain", batch]), median(results["laid out", batch])
+        print(f"{batch} requests, median step: plain {a:.1f}, laid out {b:.1f} ms ({a / b:.2f}x)")
 
 
 def measure_gemv(rounds: int) -> None:
@@ -338,7 +373,7 @@ def measure_prompt_attention(rounds: int, num_tokens: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     measures = ["int8", "prefill", "auto-dtype", "fused", "gemv", "attention", "bf16-methods"]
-    measures.append("prompt-attention")
+    measures += ["prompt-attention", "gemv-layout"]
     parser.add_argument("measure", choices=measures)
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: 4)")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="prefill (default: 1500)")
@@ -352,6 +387,8 @@ def main() -> None:
         measure_fused(args.rounds)
     elif args.measure == "gemv":
         measure_gemv(args.rounds)
+    elif args.measure == "gemv-layout":
+        measure_gemv_layout(args.rounds)
     elif args.measure == "attention":
         measure_decode_attention(args.rounds)
     elif args.measure == "prompt-attention":

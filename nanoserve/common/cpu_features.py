@@ -41,7 +41,8 @@ def has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
 def has_avx512_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """True when the CPU has AVX-512 BF16's pair dot products (AMD Zen 4 on, Intel Cooper Lake
-    and Sapphire Rapids on), which the CPU kernels' prompt attention uses where it has no AMX."""
+    and Sapphire Rapids on), which the CPU kernels' prompt attention and decode products (in
+    blocks of 64 weight rows) use where it has no AMX."""
     return "avx512_bf16" in (cpu_flags(cpuinfo) or [])
 
 

@@ -82,16 +82,16 @@ class NotFusable(Exception):
 
 
 def linear_tensors(layer: Linear) -> list[torch.Tensor]:
-    """(weight, int8 scales, bias, packed weight) of a linear as the C++ side reads them."""
+    """(the GEMV's weight, int8 scales, bias, packed weight) of a linear as the C++ side reads
+    them (the GEMV's weight in its layout: int8 row pairs, `bf16_gemv_weight`'s, or plain)."""
     bias = ABSENT if layer.bias is None else layer.bias
     method = layer.method
     if isinstance(method, Int8LinearMethod) and method.gemv is not None and layer.int8_paired:
         weight = cast(torch.Tensor, layer.int8_weight)
         return [weight, cast(torch.Tensor, layer.int8_gemv_scales), bias, ABSENT]
     if isinstance(method, PackedLinearMethod) and layer.packed_weight is not None:
-        plain = layer.weight if method.gemv is not None else None
-        packed = cast(torch.Tensor, layer.packed_weight)
-        return [ABSENT if plain is None else plain, ABSENT, bias, packed]
+        gemv_weight = cast(torch.Tensor, layer.gemv_weight) if method.gemv is not None else ABSENT
+        return [gemv_weight, ABSENT, bias, cast(torch.Tensor, layer.packed_weight)]
     if isinstance(method, WideningLinearMethod) and method.gemv and layer.weight is not None:
         return [layer.weight, ABSENT, bias, ABSENT]
     raise NotFusable(f"a linear whose decode product is not ours ({type(method).__name__})")

@@ -1,8 +1,9 @@
 """nanoserve's C++ kernels for CPU (`platforms/cpu/csrc/*.cpp`), built once per install.
 
     int8_gemv               int8 weight-only products of decode steps (quantization/int8.py)
-    bf16_gemv               bf16 products of decode steps, from the plain weight (linear.py);
-                            on AMX's tile units where the CPU has them (amx_bf16_gemv)
+    bf16_gemv               bf16 products of decode steps (linear.py), from the weight as
+                            bf16_gemv_weight lays it out: in blocks of 64 rows on AVX-512 BF16
+                            (block_gemv.cpp), plain on AMX's tile units (amx_bf16_gemv)
     paged_decode_attention  decode steps' attention, read in place from the paged KV cache
                             (attention.py)
     rms_norm                RMSNorm in one pass per row (fused_ops.py)
@@ -68,6 +69,7 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = (
     "amx_gemv.cpp",
     "bindings.cpp",
+    "block_gemv.cpp",
     "decode_attention.cpp",
     "decode_layers.cpp",
     "fused_ops.cpp",
@@ -82,10 +84,10 @@ LDFLAGS = ("-fopenmp",)
 RECORD = "built.json"
 # The GEMVs' prefetch distances timed at build (bytes ahead; 0: the hardware prefetcher alone),
 # each streaming TUNING_LAYER's weights in int8 and bf16, past the caches.
-PREFETCH_CANDIDATES = (0, 2048, 4096)
+PREFETCH_CANDIDATES = (0, 2048, 4096, 8192)
 TUNING_BYTES = 128 << 20  # the least weight bytes a timing streams (past_the_caches)
 # Raised when what is timed at build changes, so that every install times its build again.
-TUNING_VERSION = 2
+TUNING_VERSION = 3
 GEMV_MAX_CALL_ROWS = 8  # the most rows one bf16_gemv call takes
 # One decoder layer's weights ([out, in]: qkv, o, gate_up, down of the Qwen3-0.6B shape), the
 # products the GEMV and oneDNN are timed on.
@@ -267,14 +269,16 @@ def remove_older_builds(directory: Path) -> None:
 
 def stream_seconds(module: ModuleType, weights: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Seconds for the int8 and bf16 GEMVs to stream `weights` once, one row: each pair is an
-    int8 weight in row pairs ([N/2, 2K], as quantization/int8.py stores it) and a bf16 [N, K]."""
-    shapes = {tuple(bf16.shape) for _, bf16 in weights}  # [N, K]
+    int8 weight in row pairs ([N/2, 2K], as quantization/int8.py stores it) and a bf16 [N, K]
+    in the GEMV's layout (`bf16_gemv_weight`)."""
+    shapes = {(2 * int8.shape[0], int8.shape[1] // 2) for int8, _ in weights}  # (N, K)
     inputs = {k: torch.ones(1, k, dtype=torch.bfloat16) for _, k in shapes}
     scales = {n: torch.ones(n) for n, _ in shapes}
     started = time.perf_counter()
     for int8, bf16 in weights:
-        module.int8_gemv(inputs[bf16.shape[1]], int8, scales[bf16.shape[0]])
-        module.bf16_gemv(inputs[bf16.shape[1]], bf16)
+        n, k = 2 * int8.shape[0], int8.shape[1] // 2
+        module.int8_gemv(inputs[k], int8, scales[n])
+        module.bf16_gemv(inputs[k], bf16)
     return time.perf_counter() - started
 
 
@@ -286,10 +290,13 @@ def tuning_shapes() -> list[tuple[int, int]]:
     return TUNING_LAYER * copies
 
 
-def tuning_weights() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`tuning_shapes`' weights in int8 (in row pairs) and in bf16."""
+def tuning_weights(module: ModuleType) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`tuning_shapes`' weights in int8 (in row pairs) and in bf16 (in the GEMV's layout)."""
     return [
-        (torch.ones(n // 2, 2 * k, dtype=torch.int8), torch.ones(n, k, dtype=torch.bfloat16))
+        (
+            torch.ones(n // 2, 2 * k, dtype=torch.int8),
+            module.bf16_gemv_weight(torch.ones(n, k, dtype=torch.bfloat16)),
+        )
         for n, k in tuning_shapes()
     ]
 
@@ -297,7 +304,7 @@ def tuning_weights() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def tune_gemv_prefetch(module: ModuleType, rounds: int = 3) -> int:
     """Set the GEMVs' prefetch distance to the fastest of PREFETCH_CANDIDATES on this CPU (the
     best one differs between CPUs), timed on weights larger than the caches; returns it."""
-    weights = tuning_weights()
+    weights = tuning_weights(module)
     best: dict[int, float] = {}
     for _ in range(rounds):  # candidates alternate, so that a noisy machine shifts them all
         for bytes_ahead in PREFETCH_CANDIDATES:
@@ -325,6 +332,7 @@ def tune_gemv_rows(module: ModuleType, rounds: int = 3) -> int:
     except (RuntimeError, AttributeError):  # no bf16 packing here (AVX2 only)
         module.gemv_max_rows = GEMV_MAX_CALL_ROWS  # type: ignore[attr-defined]
         return GEMV_MAX_CALL_ROWS
+    weights = [module.bf16_gemv_weight(w) for w in weights]  # as the GEMV reads them
     best: dict[tuple[str, int], float] = {}
     for _ in range(rounds):
         for num_rows in range(1, GEMV_MAX_CALL_ROWS + 1):
@@ -369,11 +377,12 @@ def time_products(
     weights: list[torch.Tensor],
     packed: list[torch.Tensor],
 ) -> float:
-    """Seconds to multiply `num_rows` tokens by every weight, by the GEMV or the packed one."""
-    inputs = {w.shape[1]: torch.ones(num_rows, w.shape[1], dtype=torch.bfloat16) for w in weights}
+    """Seconds to multiply `num_rows` tokens by every weight, by the GEMV (`weights`, in its
+    layout) or the packed one."""
+    inputs = {p.shape[1]: torch.ones(num_rows, p.shape[1], dtype=torch.bfloat16) for p in packed}
     started = time.perf_counter()
     for weight, packed_weight in zip(weights, packed, strict=True):
-        x = inputs[weight.shape[1]]
+        x = inputs[packed_weight.shape[1]]
         if how == "gemv":
             module.bf16_gemv(x, weight)
         else:

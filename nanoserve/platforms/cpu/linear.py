@@ -5,13 +5,14 @@ once at start-up (what inductor's freezing pass does, and vLLM's CPU backend) ma
 cheaper at every batch size, with bit-identical results (benchmarks/RESULTS.md, "Packed weights").
 
 Decode steps of a few tokens are bound by how fast the weights stream from memory. On many
-CPUs oneDNN's product streams them slower than our compiled GEMV (`csrc/gemv.cpp`, on AMX's
-tile units `csrc/amx_gemv.cpp`; see `cpu_kernels`) streams the plain weight. The kernels'
-build times both (`gemv_max_rows`: up to how many tokens the GEMV is
-faster). Where it is, each layer keeps its plain weight beside the packed one: decode steps of
-up to that many tokens read the plain one, prefills and larger batches the packed one (so the
-linear weights take twice their memory; a tied LM head's plain weight is the embedding's, which
-lives on anyway). Where it is not, only the packed weight is kept.
+CPUs oneDNN's product streams them slower than our compiled GEMV (see `cpu_kernels`), which
+reads its own copy of the weight, laid out as it reads it fastest (`bf16_gemv_weight`: in
+blocks of 64 rows on AVX-512 BF16, `csrc/block_gemv.cpp`; plain on AMX's tile units,
+`csrc/amx_gemv.cpp`). The kernels' build times both (`gemv_max_rows`: up to how many tokens the
+GEMV is faster). Where it is, each layer keeps that copy (`layer.gemv_weight`) beside the packed
+one: decode steps of up to that many tokens read it, prefills and larger batches the packed one
+(so the linear weights take twice their memory, a tied LM head's three times: the embedding
+keeps the plain one). Where it is not, only the packed weight is kept.
 
 The packed weight is an opaque MKLDNN tensor; `torch.ops.mkldnn._linear_pointwise` multiplies
 by it. Under torch.compile it is called through the `nanoserve::packed_linear` custom op, so that
@@ -44,7 +45,10 @@ logger = logging.getLogger("nanoserve.cpu_linear")
 # The batch size oneDNN tunes the blocked layout for; any number of rows works with it.
 PACKING_BATCH_HINT = 8
 
-Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ([T, in], [out, in]) -> [T, out]
+# ([T, in], the weight as the GEMV's layout holds it) -> [T, out]
+Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# [out, in] -> the GEMV's layout of it (the weight itself where the GEMV reads it plain)
+GemvLayout = Callable[[torch.Tensor], torch.Tensor]
 
 
 # Most rows one GEMV call takes (csrc/gemv.cpp unrolls 1 to 8).
@@ -116,19 +120,29 @@ class PackedLinearMethod(LinearMethod):
     """oneDNN-packed bf16 weights (`layer.packed_weight`); the plain one only if kept.
 
     `gemv` is the compiled decode GEMV, for products of 1 to `gemv_max_rows` tokens (None or 0:
-    every eager product is the packed one).
+    every eager product is the packed one); it reads `layer.gemv_weight`, the weight as
+    `gemv_layout` lays it out (the plain weight itself without one).
     """
 
     def __init__(
-        self, keep_plain_weight: bool, gemv: Gemv | None = None, gemv_max_rows: int = 0
+        self,
+        keep_plain_weight: bool,
+        gemv: Gemv | None = None,
+        gemv_max_rows: int = 0,
+        gemv_layout: GemvLayout | None = None,
     ) -> None:
         self.gemv = gemv if gemv_max_rows > 0 else None
         self.gemv_max_rows = gemv_max_rows if gemv is not None else 0
-        self.keep_plain_weight = keep_plain_weight or self.gemv is not None
+        self.gemv_layout = gemv_layout
+        self.keep_plain_weight = keep_plain_weight
 
     def process_weights(self, layer: Linear) -> None:
-        """Pack the weight; drop the plain one unless kept (a tied weight lives on elsewhere)."""
+        """Pack the weight, lay out the GEMV's copy, and drop the plain one unless kept (a tied
+        weight lives on in its embedding)."""
         layer.packed_weight = pack(layer.weight)
+        if self.gemv is not None:
+            plain = layer.weight.detach()
+            layer.gemv_weight = plain if self.gemv_layout is None else self.gemv_layout(plain)
         if not self.keep_plain_weight:
             layer.weight = None  # type: ignore[assignment]  # the packed copy replaces it
 
@@ -137,7 +151,7 @@ class PackedLinearMethod(LinearMethod):
             if x.shape[0] == 1 and layer.weight is not None:
                 return one_token_linear(x, layer.weight, layer.bias)
         elif self.gemv is not None and 1 <= x.shape[0] <= self.gemv_max_rows:
-            out = self.gemv(x, layer.weight)
+            out = self.gemv(x, cast(torch.Tensor, layer.gemv_weight))
             return out if layer.bias is None else out + layer.bias
         return packed_linear(x, cast(torch.Tensor, layer.packed_weight), layer.bias)
 
@@ -170,6 +184,12 @@ def decode_gemv() -> Gemv | None:
     return cast(Gemv, kernels.bf16_gemv)
 
 
+def decode_gemv_layout() -> GemvLayout | None:
+    """How the compiled GEMV lays out the weights it reads (None without the kernels)."""
+    kernels = load_cpu_kernels()
+    return None if kernels is None else cast(GemvLayout, kernels.bf16_gemv_weight)
+
+
 def tuned_gemv_rows() -> int:
     """Up to how many tokens the GEMV beats oneDNN's packed product here (timed at build)."""
     kernels = load_cpu_kernels()
@@ -186,7 +206,9 @@ def install_cpu_linears(model: nn.Module, keep_plain_weights: bool) -> int:
     gemv = decode_gemv()
     method: LinearMethod
     if packing_works():
-        method = PackedLinearMethod(keep_plain_weights, gemv, tuned_gemv_rows())
+        method = PackedLinearMethod(
+            keep_plain_weights, gemv, tuned_gemv_rows(), decode_gemv_layout()
+        )
         how = "packed for oneDNN"
     else:
         method = WideningLinearMethod(gemv)

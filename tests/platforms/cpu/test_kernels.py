@@ -312,13 +312,18 @@ def test_the_last_level_cache_is_read_from_sysfs():
 
 
 def test_the_prefetch_is_timed_on_layer_shaped_weights_past_the_caches(monkeypatch):
+    kernels = load_cpu_kernels()
+    assert kernels is not None
     monkeypatch.setattr(cpu_kernels, "past_the_caches", lambda: 64 << 20)
-    weights = cpu_kernels.tuning_weights()
+    weights = cpu_kernels.tuning_weights(kernels)
     layer_bytes = 2 * sum(n * k for n, k in cpu_kernels.TUNING_LAYER)
     assert len(weights) == len(cpu_kernels.TUNING_LAYER) * ((64 << 20) // layer_bytes)
-    for int8, bf16 in weights:
-        assert tuple(bf16.shape) in cpu_kernels.TUNING_LAYER and bf16.dtype == torch.bfloat16
-        assert int8.dtype == torch.int8 and int8.shape == (bf16.shape[0] // 2, 2 * bf16.shape[1])
+    for (int8, bf16), (n, k) in zip(weights, cpu_kernels.tuning_shapes(), strict=True):
+        assert int8.dtype == torch.int8 and int8.shape == (n // 2, 2 * k)
+        # the bf16 one as the model's layers hold it: in the GEMV's layout
+        plain = torch.ones(n, k, dtype=torch.bfloat16)
+        assert bf16.dtype == torch.bfloat16 and bf16.shape == kernels.bf16_gemv_weight(plain).shape
+        assert bf16.numel() == n * k
     bf16_bytes = sum(2 * bf16.numel() for _, bf16 in weights)
     assert (64 << 20) - layer_bytes < bf16_bytes <= 64 << 20
 

@@ -1,6 +1,7 @@
 """The CPU linear methods: oneDNN-packed weights give F.linear's numbers, eager and compiled;
-decode steps stream the plain weight through the compiled GEMV; on a CPU whose oneDNN cannot
-pack bf16 (no AVX-512) the weights stay bf16 and large products widen them to float32.
+decode steps stream the GEMV's copy of the weight (in the kernels' layout) through it; on a CPU
+whose oneDNN cannot pack bf16 (no AVX-512) the weights stay bf16 and large products widen them
+to float32.
 
 The packed method's tests need a CPU that packs; the widening method's run on every CPU (a
 packing CPU is told it cannot)."""
@@ -16,12 +17,14 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.common.cpu_features import cpu_flags
 from nanoserve.core.layers.linear import DENSE, Linear
 from nanoserve.platforms.cpu import linear as cpu_linear
+from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import (
     GEMV_CALL_ROWS,
     WIDEN_MIN_ROWS,
     PackedLinearMethod,
     WideningLinearMethod,
     decode_gemv,
+    decode_gemv_layout,
     install_cpu_linears,
     one_token_linear,
     packing_works,
@@ -77,24 +80,44 @@ def test_this_machine_has_the_decode_gemv():
 
 @needs_packing
 @pytest.mark.parametrize("bias", [False, True])
-def test_decode_steps_stream_the_plain_weight_through_the_gemv(bias):
-    layer, weight, bias_values = _linear(bias)
-    gemv, rows_seen = decode_gemv(), []
-    assert gemv is not None
+@pytest.mark.parametrize(("in_features", "out_features"), [(48, 40), (96, 128)])
+def test_decode_steps_stream_the_gemvs_copy_of_the_weight(bias, in_features, out_features):
+    """The GEMV reads its own copy, laid out by the kernels (in blocks of 64 rows where the
+    block GEMV takes the shape: 128 rows here on AVX-512 BF16; 40 rows stay plain)."""
+    torch.manual_seed(0)
+    layer = Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    bias_values = None if layer.bias is None else layer.bias.detach().clone()
+    gemv, layout, rows_seen = decode_gemv(), decode_gemv_layout(), []
+    assert gemv is not None and layout is not None
     method = PackedLinearMethod(
-        False, lambda x, w: rows_seen.append(len(x)) or gemv(x, w), GEMV_ROWS
+        False, lambda x, w: rows_seen.append(len(x)) or gemv(x, w), GEMV_ROWS, layout
     )
     layer.method = method
     method.process_weights(layer)
-    assert layer.weight is not None and layer.packed_weight is not None  # both kept
+    assert layer.weight is None and layer.packed_weight is not None  # the plain one dropped
+    assert layer.gemv_weight.shape == layout(weight).shape
+    kernels = load_cpu_kernels()
+    blocked = kernels is not None and kernels.block_gemv_takes(weight)
+    assert layer.gemv_weight.dim() == (4 if blocked else 2)
     for num_tokens in (1, GEMV_ROWS, GEMV_ROWS + 1, 17):
-        x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
+        x = torch.randn(num_tokens, in_features, dtype=torch.bfloat16)
         expected = F.linear(x, weight, bias_values)
         if num_tokens <= GEMV_ROWS:  # float32 sums in another order, one bf16 rounding
             torch.testing.assert_close(layer(x), expected, atol=1e-3, rtol=2**-7)
         else:  # the packed product, bit for bit
             assert torch.equal(layer(x), expected)
     assert rows_seen == [1, GEMV_ROWS]
+
+
+@needs_packing
+def test_a_kept_plain_weight_stays_beside_the_gemvs_copy():
+    """With --compile the plain weight is kept (one-token products read it compiled)."""
+    layer, weight, _ = _linear(bias=False)
+    method = PackedLinearMethod(True, decode_gemv(), GEMV_ROWS, decode_gemv_layout())
+    layer.method = method
+    method.process_weights(layer)
+    assert torch.equal(layer.weight, weight) and layer.gemv_weight is not None
 
 
 @needs_packing
@@ -153,14 +176,18 @@ def test_engine_packs_bf16_weights_and_generates_the_same_tokens(
 
 def test_engine_decodes_through_the_gemv_where_it_is_faster_here(tmp_path):
     """Packed: the GEMV takes products of up to the size the build timed it faster (keeping
-    the plain weights for them), or none; widened: every product under 32 tokens."""
+    its copy of the weights for them), or none; widened: every product under 32 tokens."""
     checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
     llm = LLM(checkpoint, dtype="bfloat16", enforce_eager=True)  # the linears, layer by layer
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert all(isinstance(m.method, PackedLinearMethod) == packing_works() for m in linears)
     most_rows = tuned_gemv_rows() if packing_works() else GEMV_CALL_ROWS
     assert all((m.method.gemv is not None) == (most_rows > 0) for m in linears)
-    assert all((m.weight is not None) == (most_rows > 0) for m in linears)
+    if packing_works():
+        assert all(m.weight is None for m in linears)  # the plain weight itself: not kept
+        assert all(
+            (getattr(m, "gemv_weight", None) is not None) == (most_rows > 0) for m in linears
+        )
     rows_seen: list[int] = []
     if most_rows > 0:
         gemv = linears[0].method.gemv

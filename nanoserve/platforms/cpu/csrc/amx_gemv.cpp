@@ -92,15 +92,19 @@ void products_of_blocks(const bf16* weight, const bf16* tokens, int64_t K, int64
 
 }  // namespace
 
-bool amx_gemv_applies(const at::Tensor& x, const at::Tensor& weight) {
+// Does bf16_gemv multiply by this plain [N, K] weight on the tiles (for up to 16 tokens)?
+bool amx_gemv_takes(const at::Tensor& weight) {
 #ifdef NANOSERVE_AMX
-  return amx::tiles_permitted() && x.dim() == 2 && weight.dim() == 2 &&
-         x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-         weight.is_contiguous() && x.size(1) == weight.size(1) && x.size(0) >= 1 &&
-         x.size(0) <= MOST_TOKENS && x.size(1) % TILE_K == 0 && weight.size(0) % BLOCK_ROWS == 0;
+  return amx::tiles_permitted() && weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+         weight.is_contiguous() && weight.size(1) % TILE_K == 0 && weight.size(0) % BLOCK_ROWS == 0;
 #else
   return false;
 #endif
+}
+
+bool amx_gemv_applies(const at::Tensor& x, const at::Tensor& weight) {
+  return amx_gemv_takes(weight) && x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+         x.size(1) == weight.size(1) && x.size(0) >= 1 && x.size(0) <= MOST_TOKENS;
 }
 
 // x [M, K] bf16 (1 <= M <= 16, K % 32 == 0), weight [N, K] bf16 contiguous (N % 16 == 0)

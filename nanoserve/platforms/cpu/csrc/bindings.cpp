@@ -3,7 +3,16 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, "[M, K] bf16 x [N, K] int8 weight * [N] scales -> [M, N]");
-  m.def("bf16_gemv", &bf16_gemv, "[M, K] bf16 x [N, K] bf16 weight -> [M, N] (M <= 8)");
+  m.def("bf16_gemv", &bf16_gemv,
+        "[M, K] bf16 x [N, K] bf16 weight, or as bf16_gemv_weight lays it out -> [M, N] (M <= 8)");
+  m.def("bf16_gemv_weight", &bf16_gemv_weight,
+        "[N, K] bf16 weight -> the layout bf16_gemv reads fastest here (blocks of 64 rows where "
+        "block_gemv_takes it, else the weight itself)");
+  m.def("bf16_blocks", &bf16_blocks,
+        "[N, K] bf16 weight (N % 64 == 0, K even) -> [N/64, K/2, 64, 2]: blocks of 64 rows, "
+        "each k pair's 64 rows side by side (what bf16_gemv multiplies on AVX-512 BF16)");
+  m.def("block_gemv_takes", &block_gemv_takes,
+        "(weight): does bf16_gemv_weight lay it out in blocks of 64 rows here?");
   m.def("amx_bf16_gemv", &amx_bf16_gemv,
         "[M, K] bf16 x [N, K] bf16 weight -> [M, N] on AMX tiles (M <= 16, K % 32, N % 16)");
   m.def("amx_gemv_applies", &amx_gemv_applies,

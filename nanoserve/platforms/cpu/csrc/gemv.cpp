@@ -285,23 +285,6 @@ static std::vector<float> as_floats(const at::Tensor& tensor) {
   return values;
 }
 
-// Calls body(std::integral_constant<int, M>) for M in 1..8, so each row count gets its own
-// fully unrolled code.
-template <typename Body>
-static void with_rows(int64_t M, const Body& body) {
-  TORCH_CHECK(M >= 1 && M <= 8, "the decode GEMVs take 1 to 8 rows, got ", M);
-  switch (M) {
-    case 1: body(std::integral_constant<int, 1>{}); break;
-    case 2: body(std::integral_constant<int, 2>{}); break;
-    case 3: body(std::integral_constant<int, 3>{}); break;
-    case 4: body(std::integral_constant<int, 4>{}); break;
-    case 5: body(std::integral_constant<int, 5>{}); break;
-    case 6: body(std::integral_constant<int, 6>{}); break;
-    case 7: body(std::integral_constant<int, 7>{}); break;
-    default: body(std::integral_constant<int, 8>{}); break;
-  }
-}
-
 // Activation rows as int16 values times a power of two per row: row m = values[m, :] *
 // scales[m]. The power of two is the smallest that fits the row's largest magnitude in int16,
 // so every activation within 2^7 of the row's largest is exact (bf16 has 8 significant bits)
@@ -432,8 +415,10 @@ bool bf16_gemv_is_vectorized() {
 #endif
 }
 
-// x [M, K] bf16 (M <= 8), weight [N, K] bf16 -> [M, N] bf16 (float32 sums, rounded once).
+// x [M, K] bf16 (M <= 8), weight [N, K] bf16, or as bf16_gemv_weight lays it out (block_gemv.cpp)
+// -> [M, N] bf16 (float32 sums, rounded once).
 at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
+  if (weight.dim() == 4) return block_bf16_gemv(x, weight, prefetch_bytes.load());  // block_gemv
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1));
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16);
   TORCH_CHECK(weight.is_contiguous());

@@ -3,6 +3,23 @@
 #pragma once
 #include <torch/extension.h>
 
+// Calls body(std::integral_constant<int, M>) for M in 1..8, so that each row count of a decode
+// GEMV gets its own fully unrolled code.
+template <typename Body>
+void with_rows(int64_t M, const Body& body) {
+  TORCH_CHECK(M >= 1 && M <= 8, "the decode GEMVs take 1 to 8 rows, got ", M);
+  switch (M) {
+    case 1: body(std::integral_constant<int, 1>{}); break;
+    case 2: body(std::integral_constant<int, 2>{}); break;
+    case 3: body(std::integral_constant<int, 3>{}); break;
+    case 4: body(std::integral_constant<int, 4>{}); break;
+    case 5: body(std::integral_constant<int, 5>{}); break;
+    case 6: body(std::integral_constant<int, 6>{}); break;
+    case 7: body(std::integral_constant<int, 7>{}); break;
+    default: body(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // gemv.cpp
 at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales);
 at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight);
@@ -14,7 +31,14 @@ at::Tensor moe_int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales, at:
 void set_gemv_prefetch(int64_t bytes);
 int64_t gemv_prefetch();
 
+// block_gemv.cpp
+at::Tensor bf16_blocks(const at::Tensor& weight);
+bool block_gemv_takes(const at::Tensor& weight);
+at::Tensor bf16_gemv_weight(at::Tensor weight);
+at::Tensor block_bf16_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t ahead);
+
 // amx_gemv.cpp
+bool amx_gemv_takes(const at::Tensor& weight);
 bool amx_gemv_applies(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor amx_bf16_gemv(const at::Tensor& x, const at::Tensor& weight);
 
