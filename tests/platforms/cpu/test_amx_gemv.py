@@ -7,17 +7,9 @@ import pytest
 import torch
 
 from nanoserve.common.cpu_features import has_amx_bf16
-from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
 CPU_HAS_AMX = has_amx_bf16()
 needs_amx = pytest.mark.skipif(not CPU_HAS_AMX, reason="this CPU has no AMX (bf16 tiles)")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels = load_cpu_kernels()  # the CI image has g++ and ninja
-    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
-    return kernels
 
 
 def bf16(*shape: int) -> torch.Tensor:

@@ -7,14 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.common.cpu_features import cpu_flags
-from nanoserve.platforms.cpu.kernels import load_cpu_kernels
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels = load_cpu_kernels()  # compiles on first use (the CI image has g++ and ninja)
-    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
-    return kernels
 
 
 def test_it_is_vectorized_where_the_cpu_has_bf16_dot_or_avx2_fma_instructions(kernels):

@@ -13,18 +13,10 @@ from nanoserve.core.attention.reference import (
     write_kv,
 )
 from nanoserve.core.step_layout import StepLayout
-from nanoserve.platforms.cpu import kernels as cpu_kernels
 from nanoserve.platforms.cpu.attention import CpuKernelAttention, attends_token_by_token
 from nanoserve.platforms.cpu.fast_paths import CpuPaths
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels = cpu_kernels.load_cpu_kernels()  # the CI image has g++ and ninja
-    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
-    return kernels
 
 
 def decode_step(num_kv_heads: int, group: int, head_dim: int, block_size: int, dtype):

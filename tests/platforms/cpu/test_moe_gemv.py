@@ -6,15 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.quantization.int8 import pair_rows, quantize_int8
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels = load_cpu_kernels()
-    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
-    return kernels
 
 
 def groups(counts: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

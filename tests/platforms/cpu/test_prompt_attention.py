@@ -16,20 +16,12 @@ from nanoserve.common.cpu_features import has_amx_bf16, has_avx512_bf16
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.core.attention.reference import build_reference_metadata
 from nanoserve.engine_setup import build_engine
-from nanoserve.platforms.cpu import kernels as cpu_kernels
 from nanoserve.platforms.cpu.attention import CpuKernelAttention
 
 CPU_HAS_AMX = has_amx_bf16()
 CPU_HAS_AVX512_BF16 = has_avx512_bf16()
 needs_amx = pytest.mark.skipif(not CPU_HAS_AMX, reason="this CPU has no AMX (bf16 tiles)")
 needs_bf16 = pytest.mark.skipif(not CPU_HAS_AVX512_BF16, reason="this CPU has no AVX-512 BF16")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels = cpu_kernels.load_cpu_kernels()  # the CI image has g++ and ninja
-    assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
-    return kernels
 
 
 @pytest.fixture(
