@@ -17,9 +17,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels.h"
 #include "simd.h"

@@ -3,6 +3,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <type_traits>
+
 // Calls body(std::integral_constant<int, M>) for M in 1..8, so that each row count of a decode
 // GEMV gets its own fully unrolled code.
 template <typename Body>
