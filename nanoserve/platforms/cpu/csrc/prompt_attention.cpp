@@ -275,6 +275,14 @@ void softmax_row(const float* scores, int64_t visible, int64_t width, float scal
   row_sum += _mm512_reduce_add_ps(sum);
 }
 
+// Asks for `count` bf16 from `at` in L2: a packed key or value block read soon. Without it each
+// block's first pass over its lines waits for them from L3.
+void prefetch_to_l2(const bf16* at, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(at);
+  for (int64_t offset = 0; offset < count * 2; offset += 64)
+    _mm_prefetch(bytes + offset, _MM_HINT_T1);
+}
+
 // The chunk's shapes and data, as the tasks read them.
 struct Chunk {
   const bf16 *queries, *keys_packed, *values_packed;
@@ -303,11 +311,18 @@ void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w
   for (int64_t kb = 0; kb <= last_key / KEY_BLOCK; ++kb) {
     const int64_t key0 = kb * KEY_BLOCK, keys = std::min(KEY_BLOCK, c.K - key0);
     const auto seen = [&](int64_t r) {  // how many of the block's keys row r sees
+      if (r % QUERY_BLOCK >= count) return int64_t{0};  // a padding row past the chunk's end
       return std::min(keys, offset + first + r % QUERY_BLOCK + 1 - key0);
     };
-    for (int64_t i = 0; i < M; i += 4)  // the last of 4 rows (one head's) sees the most
-      w.widths.data[i / 4] = std::max<int64_t>(0, (seen(i + 3) + 31) / 32 * 32);
+    for (int64_t i = 0; i < M; i += 4) {  // the last real row of 4 (one head's) sees the most
+      const int64_t most = std::max({seen(i), seen(i + 1), seen(i + 2), seen(i + 3)});
+      w.widths.data[i / 4] = std::max<int64_t>(0, (most + 31) / 32 * 32);
+    }
     const int64_t packed = (kv_head * c.key_blocks + kb) * KEY_BLOCK * D;
+    if (kb < last_key / KEY_BLOCK) {  // the next block's keys and values on their way to L2
+      prefetch_to_l2(c.keys_packed + packed + KEY_BLOCK * D, KEY_BLOCK * D);
+      prefetch_to_l2(c.values_packed + packed + KEY_BLOCK * D, KEY_BLOCK * D);
+    }
     Products::scores(w.queries.data, c.keys_packed + packed, w.scores.data, M, D, w.widths.data);
     for (int64_t i = 0; i < M; i += 32) {  // probabilities as far as a tile of 32 rows reads
       const int64_t span = widest_of_32(w.widths.data, i);
