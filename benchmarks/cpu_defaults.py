@@ -6,6 +6,7 @@
     python -m benchmarks.cpu_defaults fused       # decode with fused norm/RoPE kernels and without
     python -m benchmarks.cpu_defaults gemv        # the bf16 decode GEMV against oneDNN's product
     python -m benchmarks.cpu_defaults gemv-layout  # decode steps: the GEMV's layout vs plain
+    python -m benchmarks.cpu_defaults int8-layout  # the same in int8: blocks vs row pairs
     python -m benchmarks.cpu_defaults attention   # decode attention: our kernel against eager
     python -m benchmarks.cpu_defaults prompt-attention  # prompt chunks: our kernel against SDPA
     python -m benchmarks.cpu_defaults bf16-methods  # the CPU's bf16 linears vs float32, F.linear
@@ -17,9 +18,10 @@ shifts both; medians are printed. Random (dummy or seeded) weights, greedy decod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -257,29 +259,53 @@ def measure_gemv_products() -> None:
         )
 
 
-def measure_gemv_layout(rounds: int) -> None:
-    """Decode steps of 1, 4 and 8 requests, one model with the GEMV reading the plain weights
-    (as before the layout) and one with its own layout, round by round."""
-    from benchmarks.decode_steps import median_step_ms
-
+@contextlib.contextmanager
+def gemv_blocks_off(quantization: str | None) -> Iterator[None]:
+    """Models loaded inside read their decode GEMV's weights as before the block layout: the
+    bf16 GEMV the plain weight, the int8 GEMV row pairs."""
+    if quantization == "int8":
+        kernels = load_cpu_kernels()
+        assert kernels is not None, "the CPU kernels did not build"
+        blocks = kernels.int8_gemv_blocks
+        kernels.int8_gemv_blocks = lambda weight: None
+        try:
+            yield
+        finally:
+            kernels.int8_gemv_blocks = blocks
+        return
     layout = cpu_linear.decode_gemv_layout
     cpu_linear.decode_gemv_layout = lambda: None  # type: ignore[assignment]
-    plain = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
-    cpu_linear.decode_gemv_layout = layout  # type: ignore[assignment]
-    laid_out = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024)
-    for llm in (plain, laid_out):  # the KV pools resident, as the server's worker makes them
+    try:
+        yield
+    finally:
+        cpu_linear.decode_gemv_layout = layout  # type: ignore[assignment]
+
+
+def measure_gemv_layout(rounds: int, quantization: str | None = None) -> None:
+    """Decode steps of the 0.6B shape (bf16, or `quantization`), 1, 4 and 8 requests: one model
+    whose GEMVs read their weights as before the block layout (`gemv_blocks_off`) and one in
+    blocks, round by round."""
+    from benchmarks.decode_steps import median_step_ms
+
+    with gemv_blocks_off(quantization):
+        before = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024, quantization=quantization)
+    blocks = LLM(QWEN3_06B, load_format="dummy", max_model_len=1024, quantization=quantization)
+    for llm in (before, blocks):  # the KV pools resident, as the server's worker makes them
         while llm.engine.idle_work():
             pass
+    names = ("row pairs" if quantization == "int8" else "plain", "blocks")
     results: dict[tuple[str, int], list[float]] = {}
     for r in range(rounds):
         for batch in (1, 4, 8):
-            for name, llm in (("plain", plain), ("laid out", laid_out)):
+            for name, llm in zip(names, (before, blocks), strict=True):
                 ms = median_step_ms(llm, batch, f"{name}-{r}-{batch}", steps=22)
                 results.setdefault((name, batch), []).append(ms)
         print(f"round {r + 1}: " + ", ".join(f"{k}: {v[-1]:.1f} ms" for k, v in results.items()))
     for batch in (1, 4, 8):
-        a, b = median(results["plain", batch]), median(results["laid out", batch])
-        print(f"{batch} requests, median step: plain {a:.1f}, laid out {b:.1f} ms ({a / b:.2f}x)")
+        a, b = (median(results[name, batch]) for name in names)
+        print(
+            f"{batch} requests, median step: {names[0]} {a:.1f}, blocks {b:.1f} ms ({a / b:.2f}x)"
+        )
 
 
 def measure_gemv(rounds: int) -> None:
@@ -373,7 +399,7 @@ def measure_prompt_attention(rounds: int, num_tokens: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     measures = ["int8", "prefill", "auto-dtype", "fused", "gemv", "attention", "bf16-methods"]
-    measures += ["prompt-attention", "gemv-layout"]
+    measures += ["prompt-attention", "gemv-layout", "int8-layout"]
     parser.add_argument("measure", choices=measures)
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: 4)")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="prefill (default: 1500)")
@@ -389,6 +415,8 @@ def main() -> None:
         measure_gemv(args.rounds)
     elif args.measure == "gemv-layout":
         measure_gemv_layout(args.rounds)
+    elif args.measure == "int8-layout":
+        measure_gemv_layout(args.rounds, quantization="int8")
     elif args.measure == "attention":
         measure_decode_attention(args.rounds)
     elif args.measure == "prompt-attention":

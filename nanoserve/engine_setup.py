@@ -93,13 +93,17 @@ def quantize_linears(model: CausalLM, config: EngineConfig, device: torch.device
     """int8 where asked (`--quantization int8`); FP8 products for an FP8 checkpoint on a GPU
     with FP8 units (elsewhere its weights were dequantized while loading)."""
     if config.quantization == "int8":
-        int8_gemv = None
+        kernels = None
         if device.type == "cpu":
             from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 
             kernels = load_cpu_kernels()
-            int8_gemv = kernels.int8_gemv if kernels is not None else None
-        install_int8_linears(model, include_lm_head=config.quantize_lm_head, gemv=int8_gemv)
+        install_int8_linears(
+            model,
+            include_lm_head=config.quantize_lm_head,
+            gemv=kernels.int8_gemv if kernels is not None else None,
+            blocks=kernels.int8_gemv_blocks if kernels is not None else None,
+        )
         return
     model_config = getattr(model, "config", None)
     is_fp8_checkpoint = model_config is not None and model_config.quantization is not None

@@ -7,7 +7,10 @@ weight-streaming GEMV (`csrc/gemv.cpp`, see `cpu_kernels`), which rounds each to
 activations to int16 times a power of two (exact for every value within 2^7 of the row's
 largest) and sums int8 * int16 products exactly in int32: one instruction per 32 weights,
 where widening each weight to float32 cost three per 16 and made the product slower than
-memory. It reads the weight in row pairs (`pair_rows`: one stream feeds two rows). PyTorch's
+memory. It reads the weight in the layout the kernels take fastest on this CPU: blocks of 64
+rows with AVX512-BW (`int8_gemv_blocks`, csrc/block_gemv.cpp: one instruction adds a token's
+pair of k to 16 rows' sums, no horizontal sums), else row pairs (`pair_rows`: one stream feeds
+two rows). PyTorch's
 `aten._weight_int8pack_mm` converts more slowly still (it stays the fallback where our
 kernels could not be built). Everything else (prefills, which are compute-bound, other dtypes,
 GPUs) multiplies by the weight widened to the activations' dtype, which int8 values survive
@@ -38,6 +41,8 @@ PAIR_CHUNK = 32
 QUANTIZE_CHUNK_ROWS = 64
 
 Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# [N, K] int8 -> the GEMV's blocks of 64 rows, or None where it does not take them here.
+BlockLayout = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,25 +78,47 @@ def unpair_rows(pairs: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Ten
     return plain.view(-1, width)[:rows]
 
 
+def widen_gemv_layout(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """The GEMV's int8 weight (blocks [N/64, K/2, 64, 2] or row pairs) back to [rows, K],
+    widened to `dtype` in the same copy."""
+    if weight.dim() == 2:
+        return unpair_rows(weight, rows, dtype)
+    num_blocks, pairs, block_rows, _ = weight.shape
+    plain = torch.empty(num_blocks, block_rows, pairs, 2, dtype=dtype)
+    plain.copy_(weight.permute(0, 2, 1, 3))
+    return plain.view(rows, 2 * pairs)
+
+
 class Int8LinearMethod(LinearMethod):
     """`layer.int8_weight` int8 and `layer.int8_scales` [out]; no float weight.
 
     `gemv` is the compiled CPU kernel for decode steps (None: PyTorch's kernel instead). With
-    it, and `in` a multiple of 32, the weight is stored in row pairs (`pair_rows`, flagged by
-    `layer.int8_paired`) and the kernel reads the scales as float32 (`layer.int8_gemv_scales`,
-    the same values) in place; otherwise the weight is [out, in].
+    it, the weight is stored in the GEMV's layout (flagged by `layer.int8_in_gemv_layout`):
+    in blocks of 64 rows where `blocks` lays it out (the kernels' `int8_gemv_blocks`), else in
+    row pairs (`pair_rows`, `in` a multiple of 32); the kernel reads the scales as float32
+    (`layer.int8_gemv_scales`, the same values) in place. Otherwise the weight is [out, in].
     """
 
-    def __init__(self, gemv: Gemv | None = None) -> None:
+    def __init__(self, gemv: Gemv | None = None, blocks: BlockLayout | None = None) -> None:
         self.gemv = gemv
+        self.blocks = blocks
+
+    def gemv_layout(self, quantized: torch.Tensor) -> torch.Tensor | None:
+        """`quantized` [out, in] as the GEMV reads it, or None where it cannot."""
+        if self.gemv is None:
+            return None
+        laid_out = self.blocks(quantized) if self.blocks is not None else None
+        if laid_out is None and quantized.shape[1] % PAIR_CHUNK == 0:
+            laid_out = pair_rows(quantized)
+        return laid_out
 
     def process_weights(self, layer: Linear) -> None:
         quantized, scales = quantize_int8(layer.weight.detach())
         layer.int8_scales = scales.to(layer.weight.dtype)
-        paired = self.gemv is not None and quantized.shape[1] % PAIR_CHUNK == 0
-        layer.int8_paired = paired  # type: ignore[assignment]  # a flag, not a tensor
-        if paired:
-            layer.int8_weight = pair_rows(quantized)
+        laid_out = self.gemv_layout(quantized)
+        layer.int8_in_gemv_layout = laid_out is not None  # type: ignore[assignment]  # a flag
+        if laid_out is not None:
+            layer.int8_weight = laid_out
             layer.int8_gemv_scales = layer.int8_scales.float()  # the same values, float32
         else:
             layer.int8_weight = quantized
@@ -102,11 +129,11 @@ class Int8LinearMethod(LinearMethod):
         scales = cast(torch.Tensor, layer.int8_scales)
         rows, in_features = x.shape
         decode_step = x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= MAX_ROWS
-        if layer.int8_paired and decode_step:
+        if layer.int8_in_gemv_layout and decode_step:
             assert self.gemv is not None
             out = self.gemv(x, weight, cast(torch.Tensor, layer.int8_gemv_scales))
-        elif layer.int8_paired:  # int8 -> bf16/fp16/fp32 is exact
-            out = F.linear(x, unpair_rows(weight, scales.numel(), x.dtype)) * scales
+        elif layer.int8_in_gemv_layout:  # int8 -> bf16/fp16/fp32 is exact
+            out = F.linear(x, widen_gemv_layout(weight, scales.numel(), x.dtype)) * scales
         elif decode_step and in_features % 32 == 0:  # PyTorch's kernel sums other widths wrongly
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight, scales)
         else:
@@ -115,13 +142,17 @@ class Int8LinearMethod(LinearMethod):
 
 
 def install_int8_linears(
-    model: nn.Module, include_lm_head: bool = True, gemv: Gemv | None = None
+    model: nn.Module,
+    include_lm_head: bool = True,
+    gemv: Gemv | None = None,
+    blocks: BlockLayout | None = None,
 ) -> int:
     """Quantize every plain Linear of `model` (the LM head unless excluded); returns how many.
 
-    `gemv` is the CPU's compiled decode kernel (`platforms/cpu`'s `int8_gemv`), where built.
+    `gemv` is the CPU's compiled decode kernel (`platforms/cpu`'s `int8_gemv`), where built, and
+    `blocks` its block layout (`int8_gemv_blocks`).
     """
-    method = Int8LinearMethod(gemv)
+    method = Int8LinearMethod(gemv, blocks)
     lm_head = getattr(model, "lm_head", None)
     layers = [
         m

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.common.cpu_features import cpu_flags
 from nanoserve.core.layers.linear import Linear
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import (
@@ -37,20 +38,32 @@ def test_per_channel_quantization_keeps_each_row_within_half_a_step():
     assert torch.equal(restored[3], torch.zeros(64)) and torch.equal(restored[140], torch.zeros(64))
 
 
+def avx512bw() -> bool:
+    return "avx512bw" in (cpu_flags() or [])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("in_features", [64, 40])  # 40: not whole 32-weight chunks, no pairs
-def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, bias, in_features):
+# (out, in): row pairs; neither pairs (40 is not whole 32-weight chunks) nor blocks; whole
+# blocks of 64 rows (where the CPU has AVX512-BW) twice, the second one only in blocks
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(48, 64), (48, 40), (128, 64), (128, 40)]
+)
+def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, bias, out_features, in_features):
     torch.manual_seed(0)
-    layer = Linear(in_features, 48, bias=bias).to(dtype)
+    layer = Linear(in_features, out_features, bias=bias).to(dtype)
     quantized, scales = quantize_int8(layer.weight.detach())
     dequantized = (quantized.float() * scales[:, None]).to(dtype)
     bias_values = None if layer.bias is None else layer.bias.detach().clone()
-    gemv = load_cpu_kernels().int8_gemv  # the CPU kernels build here
-    installed = install_int8_linears(layer, gemv=gemv)
+    kernels = load_cpu_kernels()  # the CPU kernels build here
+    installed = install_int8_linears(layer, gemv=kernels.int8_gemv, blocks=kernels.int8_gemv_blocks)
     assert installed == 1 and isinstance(layer.method, Int8LinearMethod)
     assert layer.weight is None
-    assert layer.int8_paired == (in_features % 32 == 0)
+    in_blocks = avx512bw() and out_features % 64 == 0
+    assert layer.int8_in_gemv_layout == (in_blocks or in_features % 32 == 0)
+    if layer.int8_in_gemv_layout:  # blocks [N/64, K/2, 64, 2], or row pairs [N/2, 2K]
+        assert layer.int8_weight.dim() == (4 if in_blocks else 2)
+        assert layer.int8_weight.numel() == out_features * in_features
     for num_tokens in (1, 5, 9, 40):  # the GEMV, and the widened product beyond 8 rows
         x = torch.randn(num_tokens, in_features, dtype=dtype)
         expected = F.linear(x.float(), dequantized.float(), None)

@@ -1,20 +1,44 @@
-"""The compiled int8 GEMV (csrc/gemv.cpp): its products against float32 and PyTorch's, with
-the weight in the row pairs it streams (`pair_rows`)."""
+"""The compiled int8 GEMV (csrc/gemv.cpp, csrc/block_gemv.cpp): its products against float32
+and PyTorch's, with the weight in each layout it streams: row pairs (`pair_rows`) and blocks of
+64 rows (`int8_gemv_blocks`, on CPUs with AVX512-BW)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from nanoserve.common.cpu_features import cpu_flags
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
-from nanoserve.quantization.int8 import MAX_ROWS, pair_rows, quantize_int8, unpair_rows
+from nanoserve.quantization.int8 import (
+    MAX_ROWS,
+    pair_rows,
+    quantize_int8,
+    unpair_rows,
+    widen_gemv_layout,
+)
+
+HAS_AVX512BW = "avx512bw" in (cpu_flags() or [])
 
 
-@pytest.fixture(scope="module")
-def gemv():
+@pytest.fixture(scope="module", params=["pairs", "blocks"])
+def gemv(request):
+    """int8_gemv(x, weight [N, K], scales [N]) through one layout. For blocks, the weight and
+    scales are padded to whole blocks of 64 rows and the padding's outputs dropped."""
     kernels = load_cpu_kernels()  # compiles on first use (the CI image has g++ and ninja)
     assert kernels is not None, "the CPU kernels did not build; see the warning in the log"
-    return lambda x, weight, scales: kernels.int8_gemv(x, pair_rows(weight), scales)
+    if request.param == "pairs":
+        return lambda x, weight, scales: kernels.int8_gemv(x, pair_rows(weight), scales)
+    if not HAS_AVX512BW:
+        pytest.skip("the int8 GEMV's blocks need AVX512-BW, which this CPU lacks")
+
+    def in_blocks(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        rows, padding = weight.shape[0], -weight.shape[0] % 64
+        blocks = kernels.int8_gemv_blocks(F.pad(weight, (0, 0, 0, padding)))
+        scales = torch.cat([scales, torch.ones(padding, dtype=scales.dtype)])
+        return kernels.int8_gemv(x, blocks, scales)[:, :rows]
+
+    return in_blocks
 
 
 @pytest.mark.parametrize(("rows", "width"), [(37, 1024), (38, 96), (1, 32)])
@@ -26,6 +50,22 @@ def test_row_pairs_interleave_32_weights_and_come_back(rows, width):
     assert torch.equal(pairs[0, :32], padded[0, :32])
     assert torch.equal(pairs[0, 32:64], padded[1, :32])
     assert torch.equal(unpair_rows(pairs, rows, torch.float32), weight.float())
+
+
+def test_blocks_hold_each_k_pair_of_64_rows_side_by_side_and_come_back():
+    kernels = load_cpu_kernels()
+    weight = torch.randint(-127, 128, (128, 96), dtype=torch.int8)
+    blocks = kernels.int8_gemv_blocks(weight)
+    if not HAS_AVX512BW:  # the GEMV reads row pairs there
+        assert blocks is None
+        return
+    assert blocks.shape == (2, 48, 64, 2)  # [N/64, K/2, 64, 2]
+    assert blocks[1, 5, 7, 0] == weight[64 + 7, 10] and blocks[1, 5, 7, 1] == weight[64 + 7, 11]
+    assert torch.equal(widen_gemv_layout(blocks, 128, torch.float32), weight.float())
+    assert torch.equal(widen_gemv_layout(pair_rows(weight), 128, torch.float32), weight.float())
+    assert kernels.int8_gemv_blocks(weight[:100]) is None  # not whole blocks of 64 rows
+    assert kernels.int8_gemv_blocks(weight[:, :95].contiguous()) is None  # K odd
+    assert kernels.int8_gemv_blocks(weight.float()) is None  # not int8
 
 
 def int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,12 +191,15 @@ def test_gemv_refuses_more_rows_than_it_keeps_in_cache(gemv):
         gemv(x, quantized, scales.to(torch.bfloat16))
 
 
-def test_gemv_wants_one_scale_per_output_row_and_whole_chunks(gemv):
+def test_gemv_wants_one_scale_per_output_row_and_whole_chunks():
     quantized, scales = quantize_int8(torch.randn(8, 64))
     x = torch.randn(1, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="one scale per output row"):
-        gemv(x, quantized, scales[:-2].to(torch.bfloat16))  # 4 pairs hold 7 or 8 rows, not 6
     kernels = load_cpu_kernels()
+    with pytest.raises(RuntimeError, match="one scale per output row"):  # 4 pairs: 7 or 8 rows
+        kernels.int8_gemv(x, pair_rows(quantized), scales[:-2].to(torch.bfloat16))
+    blocks = torch.zeros(1, 32, 64, 2, dtype=torch.int8)  # one block: 64 rows, K = 64
+    with pytest.raises(RuntimeError, match="blocks are"):
+        kernels.int8_gemv(x, blocks, torch.ones(63))
     with pytest.raises(RuntimeError, match="a multiple of 32"):
         kernels.int8_gemv(
             torch.randn(1, 40, dtype=torch.bfloat16), torch.zeros(4, 80, dtype=torch.int8), scales

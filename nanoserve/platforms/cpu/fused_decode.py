@@ -83,10 +83,11 @@ class NotFusable(Exception):
 
 def linear_tensors(layer: Linear) -> list[torch.Tensor]:
     """(the GEMV's weight, int8 scales, bias, packed weight) of a linear as the C++ side reads
-    them (the GEMV's weight in its layout: int8 row pairs, `bf16_gemv_weight`'s, or plain)."""
+    them (the GEMV's weight in its layout: int8 blocks or row pairs, `bf16_gemv_weight`'s, or
+    plain)."""
     bias = ABSENT if layer.bias is None else layer.bias
     method = layer.method
-    if isinstance(method, Int8LinearMethod) and method.gemv is not None and layer.int8_paired:
+    if isinstance(method, Int8LinearMethod) and layer.int8_in_gemv_layout:
         weight = cast(torch.Tensor, layer.int8_weight)
         return [weight, cast(torch.Tensor, layer.int8_gemv_scales), bias, ABSENT]
     if isinstance(method, PackedLinearMethod) and layer.packed_weight is not None:

@@ -62,6 +62,7 @@ from types import ModuleType
 import torch
 
 from nanoserve.common.cpu_features import cpu_flags
+from nanoserve.quantization.int8 import Int8LinearMethod
 
 logger = logging.getLogger("nanoserve.cpu_kernels")
 
@@ -87,7 +88,7 @@ RECORD = "built.json"
 PREFETCH_CANDIDATES = (0, 2048, 4096, 8192)
 TUNING_BYTES = 128 << 20  # the least weight bytes a timing streams (past_the_caches)
 # Raised when what is timed at build changes, so that every install times its build again.
-TUNING_VERSION = 3
+TUNING_VERSION = 4
 GEMV_MAX_CALL_ROWS = 8  # the most rows one bf16_gemv call takes
 # One decoder layer's weights ([out, in]: qkv, o, gate_up, down of the Qwen3-0.6B shape), the
 # products the GEMV and oneDNN are timed on.
@@ -267,16 +268,16 @@ def remove_older_builds(directory: Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
-def stream_seconds(module: ModuleType, weights: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Seconds for the int8 and bf16 GEMVs to stream `weights` once, one row: each pair is an
-    int8 weight in row pairs ([N/2, 2K], as quantization/int8.py stores it) and a bf16 [N, K]
-    in the GEMV's layout (`bf16_gemv_weight`)."""
-    shapes = {(2 * int8.shape[0], int8.shape[1] // 2) for int8, _ in weights}  # (N, K)
-    inputs = {k: torch.ones(1, k, dtype=torch.bfloat16) for _, k in shapes}
-    scales = {n: torch.ones(n) for n, _ in shapes}
+# A tuning weight: (N, K), the int8 GEMV's copy and the bf16 GEMV's copy, each in its layout.
+TuningWeight = tuple[tuple[int, int], torch.Tensor, torch.Tensor]
+
+
+def stream_seconds(module: ModuleType, weights: list[TuningWeight]) -> float:
+    """Seconds for the int8 and bf16 GEMVs to stream `weights` once, one row."""
+    inputs = {k: torch.ones(1, k, dtype=torch.bfloat16) for (_, k), _, _ in weights}
+    scales = {n: torch.ones(n) for (n, _), _, _ in weights}
     started = time.perf_counter()
-    for int8, bf16 in weights:
-        n, k = 2 * int8.shape[0], int8.shape[1] // 2
+    for (n, k), int8, bf16 in weights:
         module.int8_gemv(inputs[k], int8, scales[n])
         module.bf16_gemv(inputs[k], bf16)
     return time.perf_counter() - started
@@ -290,15 +291,17 @@ def tuning_shapes() -> list[tuple[int, int]]:
     return TUNING_LAYER * copies
 
 
-def tuning_weights(module: ModuleType) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`tuning_shapes`' weights in int8 (in row pairs) and in bf16 (in the GEMV's layout)."""
-    return [
-        (
-            torch.ones(n // 2, 2 * k, dtype=torch.int8),
-            module.bf16_gemv_weight(torch.ones(n, k, dtype=torch.bfloat16)),
-        )
-        for n, k in tuning_shapes()
-    ]
+def tuning_weights(module: ModuleType) -> list[TuningWeight]:
+    """`tuning_shapes`' weights in int8 and bf16, each as its GEMV reads it here (int8: as
+    `Int8LinearMethod` lays it out; bf16: `bf16_gemv_weight`)."""
+    int8_method = Int8LinearMethod(module.int8_gemv, module.int8_gemv_blocks)
+    weights = []
+    for n, k in tuning_shapes():
+        int8 = int8_method.gemv_layout(torch.ones(n, k, dtype=torch.int8))
+        assert int8 is not None, "TUNING_LAYER's widths are whole 32-weight chunks"
+        bf16 = module.bf16_gemv_weight(torch.ones(n, k, dtype=torch.bfloat16))
+        weights.append(((n, k), int8, bf16))
+    return weights
 
 
 def tune_gemv_prefetch(module: ModuleType, rounds: int = 3) -> int:

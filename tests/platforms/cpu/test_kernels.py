@@ -318,13 +318,16 @@ def test_the_prefetch_is_timed_on_layer_shaped_weights_past_the_caches(monkeypat
     weights = cpu_kernels.tuning_weights(kernels)
     layer_bytes = 2 * sum(n * k for n, k in cpu_kernels.TUNING_LAYER)
     assert len(weights) == len(cpu_kernels.TUNING_LAYER) * ((64 << 20) // layer_bytes)
-    for (int8, bf16), (n, k) in zip(weights, cpu_kernels.tuning_shapes(), strict=True):
-        assert int8.dtype == torch.int8 and int8.shape == (n // 2, 2 * k)
-        # the bf16 one as the model's layers hold it: in the GEMV's layout
+    for ((n, k), int8, bf16), shape in zip(weights, cpu_kernels.tuning_shapes(), strict=True):
+        assert (n, k) == shape
+        # each as the model's layers hold it: in its GEMV's layout
+        blocks = kernels.int8_gemv_blocks(torch.ones(n, k, dtype=torch.int8))
+        assert int8.dtype == torch.int8 and int8.numel() == n * k
+        assert int8.shape == (blocks.shape if blocks is not None else (n // 2, 2 * k))
         plain = torch.ones(n, k, dtype=torch.bfloat16)
         assert bf16.dtype == torch.bfloat16 and bf16.shape == kernels.bf16_gemv_weight(plain).shape
         assert bf16.numel() == n * k
-    bf16_bytes = sum(2 * bf16.numel() for _, bf16 in weights)
+    bf16_bytes = sum(2 * bf16.numel() for _, _, bf16 in weights)
     assert (64 << 20) - layer_bytes < bf16_bytes <= 64 << 20
 
 

@@ -2,7 +2,11 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_gemv", &int8_gemv, "[M, K] bf16 x [N, K] int8 weight * [N] scales -> [M, N]");
+  m.def("int8_gemv", &int8_gemv,
+        "[M, K] x int8 weight in row pairs or int8_gemv_blocks' blocks * [N] scales -> [M, N]");
+  m.def("int8_gemv_blocks", &int8_gemv_blocks,
+        "[N, K] int8 weight -> [N/64, K/2, 64, 2] blocks of 64 rows where int8_gemv multiplies "
+        "them here (AVX512-BW; N % 64 == 0, K even), else None");
   m.def("bf16_gemv", &bf16_gemv,
         "[M, K] bf16 x [N, K] bf16 weight, or as bf16_gemv_weight lays it out -> [M, N] (M <= 8)");
   m.def("bf16_gemv_weight", &bf16_gemv_weight,

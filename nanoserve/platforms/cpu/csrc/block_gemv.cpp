@@ -14,10 +14,21 @@
 // A line times one token's pair broadcast to every lane (vdpbf16ps) adds that pair's products
 // to 16 rows' sums at once: the sums are the outputs themselves, with no horizontal sum at the
 // end, and a token costs one 4-byte broadcast per 4 lines. Threads take whole blocks.
+//
+// int8 weights (quantization/int8.py) take the same layout, [N/64, K/2, 64, 2] int8: a k pair's
+// 64 rows fill two lines, each widened half by half to int16 (16 rows' pair per register), and
+// AVX512-VNNI's vpdpwssd adds a token's int16 pair (int8_gemv rounds activations to int16) to 16
+// rows' int32 sums, exactly. A lane gains at most 2 * 32768 * 127 a pair, so the integer sums
+// are folded into float32 every INT32_SAFE_PAIRS pairs. Each instruction does half the work per
+// weight byte of the bf16 one, so here the products, not memory, bound a step of several tokens:
+// more than 4 tokens go through a block in two passes of at most 4 (the block's second pass
+// reads it from the cache), which keeps every sum in a register.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels.h"
 #include "simd.h"
@@ -64,26 +75,127 @@ void block_gemv(const uint32_t* x, const char* blocks, int64_t K, int64_t N, int
 }
 #endif
 
+#ifdef __AVX512BW__
+constexpr int64_t INT32_SAFE_PAIRS = 256;  // pairs an int32 lane sums without overflowing
+
+// sums[m * 64 + r] += dot(x[m], block row r) for M <= 4 tokens; x as [M, K/2] 32-bit pairs of
+// int16 (row stride `stride` pairs), block the [K/2, 64, 2] int8 at `block`.
+template <int M>
+void int8_block_products(const uint32_t* x, int64_t stride, const int8_t* block, int64_t pairs,
+                         int64_t ahead, float* sums) {
+  constexpr int HALVES = 4;  // a k pair of 64 rows: two lines, each widened to two registers
+  for (int64_t first = 0; first < pairs; first += INT32_SAFE_PAIRS) {
+    __m512i acc[M][HALVES];
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < HALVES; ++h) acc[m][h] = _mm512_setzero_si512();
+    for (int64_t pair = first; pair < std::min(pairs, first + INT32_SAFE_PAIRS); ++pair) {
+      const int8_t* lines = block + pair * ROWS * 2;  // two 64-byte lines: 32 rows' pair each
+      if (ahead) {
+        _mm_prefetch(reinterpret_cast<const char*>(lines) + ahead, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(lines) + ahead + 64, _MM_HINT_T0);
+      }
+      __m512i w[HALVES];
+      for (int h = 0; h < HALVES; ++h)
+        w[h] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines) + h));
+      for (int m = 0; m < M; ++m) {
+        const __m512i token = _mm512_set1_epi32(static_cast<int>(x[m * stride + pair]));
+        for (int h = 0; h < HALVES; ++h) acc[m][h] = add_pair_products(acc[m][h], w[h], token);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < HALVES; ++h) {
+        float* at = sums + m * ROWS + 16 * h;
+        _mm512_storeu_ps(at, _mm512_add_ps(_mm512_loadu_ps(at), _mm512_cvtepi32_ps(acc[m][h])));
+      }
+  }
+}
+
+// out[m, n] = x_scales[m] * scales[n] * dot(x[m], row n) for M tokens, block by block.
+template <int M, typename Out>
+void int8_block_gemv(const uint32_t* x, const float* x_scales, const int8_t* blocks, int64_t K,
+                     int64_t N, const float* scales, int64_t ahead, Out* out) {
+  const int64_t pairs = K / 2, block_bytes = pairs * ROWS * 2;
+  at::parallel_for(0, N / ROWS, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[M * ROWS];
+    for (int64_t b = begin; b < end; ++b) {
+      const int8_t* block = blocks + b * block_bytes;
+      std::fill(sums, sums + M * ROWS, 0.f);
+      int8_block_products<std::min(M, 4)>(x, pairs, block, pairs, ahead, sums);
+      if constexpr (M > 4)  // the other tokens, from the cache
+        int8_block_products<M - 4>(x + 4 * pairs, pairs, block, pairs, 0, sums + 4 * ROWS);
+      for (int m = 0; m < M; ++m)
+        for (int64_t r = 0; r < ROWS; r += 16) {  // sum * (x_scales[m] * scales[n]), 16 rows
+          const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x_scales[m]),
+                                             _mm512_loadu_ps(scales + b * ROWS + r));
+          const __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(sums + m * ROWS + r), scale);
+          Out* to = out + m * N + b * ROWS + r;
+          if constexpr (std::is_same_v<Out, float> || std::is_same_v<Out, at::BFloat16>) {
+            store16(to, sum);
+          } else {
+            alignas(64) float values[16];
+            _mm512_store_ps(values, sum);
+            for (int i = 0; i < 16; ++i) to[i] = static_cast<Out>(values[i]);
+          }
+        }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
-// Can `weight` be laid out in blocks: bf16 [N, K], N % 64 == 0, K even?
-static bool fits_blocks(const at::Tensor& weight) {
-  return weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(0) > 0 &&
+// Can `weight` be laid out in blocks: [N, K] of `dtype`, N % 64 == 0, K even?
+static bool fits_blocks(const at::Tensor& weight, at::ScalarType dtype) {
+  return weight.dim() == 2 && weight.scalar_type() == dtype && weight.size(0) > 0 &&
          weight.size(0) % ROWS == 0 && weight.size(1) % 2 == 0;
+}
+
+// weight [N, K] -> blocks [N/64, K/2, 64, 2] (a copy).
+static at::Tensor blocks_of(const at::Tensor& weight) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  return weight.reshape({N / ROWS, ROWS, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
 // weight [N, K] bf16 -> blocks [N/64, K/2, 64, 2] (a copy).
 at::Tensor bf16_blocks(const at::Tensor& weight) {
-  TORCH_CHECK(fits_blocks(weight), "bf16_blocks takes a bf16 [N, K] weight, N % 64 == 0, K even");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  return weight.reshape({N / ROWS, ROWS, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  TORCH_CHECK(fits_blocks(weight, at::kBFloat16),
+              "bf16_blocks takes a bf16 [N, K] weight, N % 64 == 0, K even");
+  return blocks_of(weight);
+}
+
+// weight [N, K] int8 -> its blocks [N/64, K/2, 64, 2] where int8_gemv multiplies them here (the
+// library has AVX512-BW; N % 64 == 0, K even), else None (int8_gemv then takes row pairs).
+c10::optional<at::Tensor> int8_gemv_blocks(const at::Tensor& weight) {
+#ifdef __AVX512BW__
+  if (fits_blocks(weight, at::kChar)) return blocks_of(weight);
+#endif
+  return c10::nullopt;
+}
+
+// out [M, N] (x's dtype) = x16 [M, K] int16 . blocks^T, each row m times x_scales[m] and each
+// column n times scales[n]: int8_gemv's products on int8_gemv_blocks' layout.
+void block_int8_gemv(const at::Tensor& x16, const float* x_scales, const at::Tensor& blocks,
+                     const float* scales, int64_t ahead, at::Tensor& out) {
+#ifdef __AVX512BW__
+  const int64_t M = x16.size(0), K = x16.size(1), N = blocks.size(0) * ROWS;
+  const auto* pairs = reinterpret_cast<const uint32_t*>(x16.data_ptr<int16_t>());
+  const int8_t* bytes = blocks.data_ptr<int8_t>();
+  with_rows(M, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int8_blocks", [&] {
+      int8_block_gemv<R>(pairs, x_scales, bytes, K, N, scales, ahead, out.data_ptr<scalar_t>());
+    });
+  });
+#else
+  TORCH_CHECK(false, "int8_gemv's blocks need a library built with AVX512-BW");
+#endif
 }
 
 // Does bf16_gemv_weight lay `weight` out in blocks here? Where the library has AVX-512 BF16, the
 // weight fits them, and AMX's tiles do not take it instead (they read the plain weight).
 bool block_gemv_takes(const at::Tensor& weight) {
 #ifdef __AVX512BF16__
-  return fits_blocks(weight) && !amx_gemv_takes(weight);
+  return fits_blocks(weight, at::kBFloat16) && !amx_gemv_takes(weight);
 #else
   return false;
 #endif

@@ -12,11 +12,10 @@
 //
 // Each layer is SLOTS tensors, in the order of `Slot` below; an absent one (no bias, no q/k
 // norm, no int8 scales, the dense MLP of a layer with experts and the other way round) is an
-// empty tensor. A linear is (weight, scales, bias, packed): with
-// scales it is int8 (row pairs, as int8_gemv takes them); else a step of up to gemv_max_rows
-// tokens streams the GEMV's bf16 weight (in bf16_gemv_weight's layout) through bf16_gemv, and a
-// larger one (or one with no GEMV weight) multiplies by oneDNN's packed weight, as
-// PackedLinearMethod does.
+// empty tensor. A linear is (weight, scales, bias, packed): with scales it is int8 (in
+// int8_gemv's layout: blocks or row pairs); else a step of up to gemv_max_rows tokens streams
+// the GEMV's bf16 weight (in bf16_gemv_weight's layout) through bf16_gemv, and a larger one (or
+// one with no GEMV weight) multiplies by oneDNN's packed weight, as PackedLinearMethod does.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
@@ -28,7 +27,7 @@ namespace {
 
 enum Slot {
   INPUT_NORM,  // [hidden]
-  // [(H + 2 Hkv) D, hidden] (int8: row pairs; bf16: bf16_gemv_weight's layout), scales [.], bias [.], oneDNN's packed weight
+  // [(H + 2 Hkv) D, hidden] (int8: blocks or row pairs; bf16: bf16_gemv_weight's layout), scales [.], bias [.], oneDNN's packed weight
   QKV_WEIGHT, QKV_SCALES, QKV_BIAS, QKV_PACKED,
   Q_NORM, K_NORM,  // [D] each (Qwen3), or absent
   O_WEIGHT, O_SCALES, O_BIAS, O_PACKED,  // [hidden, H D]

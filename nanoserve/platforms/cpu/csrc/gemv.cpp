@@ -58,18 +58,9 @@ static void add_lanes(const __m512 (&acc)[M][U], float* sums) {
 #endif
 
 // int8 products sum in int32, exactly: activations come as int16 (int16_rows, below), and one
-// instruction (AVX512-VNNI's vpdpwssd) multiplies 32 int16 pairs and adds them in pairs into 16
-// int32 lanes; each 32 weights are widened int8 -> int16 once for all M rows. Without VNNI,
-// AVX512-BW's vpmaddwd and an add do the same in two; AVX2's vpmaddwd does it for 16 pairs.
-#ifdef __AVX512BW__
-static inline __m512i add_pair_products(__m512i acc, __m512i a, __m512i b) {
-#ifdef __AVX512VNNI__
-  return _mm512_dpwssd_epi32(acc, a, b);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
-}
-#endif
+// instruction (add_pair_products, simd.h) multiplies 32 int16 pairs and adds them in pairs into
+// 16 int32 lanes; each 32 weights are widened int8 -> int16 once for all M rows. AVX2's
+// vpmaddwd does it for 16 pairs.
 
 // A lane gains at most 2 * 32767 * 127 per instruction: 256 instructions (8192 k) stay inside
 // int32, so longer rows sum in chunks of this many, each chunk's lanes then added as float32.
@@ -373,15 +364,21 @@ static Int16Rows int16_rows(const at::Tensor& x) {
   return rows;
 }
 
-// x [M, K] (M <= 8, K % 32 == 0), weight pairs [(N + 1) / 2, 2K] int8 (pair_rows), scales [N]
-// -> [M, N] in x's dtype.
+// x [M, K] (M <= 8), weight int8 in row pairs [(N + 1) / 2, 2K] (pair_rows; K % 32 == 0) or in
+// blocks [N/64, K/2, 64, 2] (int8_gemv_blocks), scales [N] -> [M, N] in x's dtype.
 at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == 2 * x.size(1),
-              "int8_gemv takes the weight in row pairs, [(N + 1) / 2, 2K] (pair_rows)");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous());
+  const bool in_blocks = weight.dim() == 4;
+  TORCH_CHECK(x.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = scales.numel();
-  TORCH_CHECK(K % PAIR_CHUNK == 0, "int8_gemv takes K a multiple of 32, got ", K);
-  TORCH_CHECK(weight.size(0) == (N + 1) / 2, "one scale per output row");
+  if (in_blocks) {
+    TORCH_CHECK(weight.size(0) * 64 == N && weight.size(1) * 2 == K && weight.size(2) == 64 &&
+                    weight.size(3) == 2, "int8_gemv's blocks are [N/64, K/2, 64, 2]");
+  } else {
+    TORCH_CHECK(weight.dim() == 2 && weight.size(1) == 2 * K,
+                "int8_gemv takes the weight in row pairs, [(N + 1) / 2, 2K] (pair_rows)");
+    TORCH_CHECK(K % PAIR_CHUNK == 0, "int8_gemv takes K a multiple of 32, got ", K);
+    TORCH_CHECK(weight.size(0) == (N + 1) / 2, "one scale per output row");
+  }
   const Int16Rows xq = int16_rows(x);
   const int64_t ahead = prefetch_bytes.load();
   std::vector<float> converted;  // float32 scales are read in place (no copy of a 150k vocab)
@@ -389,6 +386,10 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales) {
   if (!float_scales) converted = as_floats(scales);
   const float* sf = float_scales ? scales.data_ptr<float>() : converted.data();
   auto out = at::empty({M, N}, x.options());
+  if (in_blocks) {
+    block_int8_gemv(xq.values, xq.scales.data(), weight, sf, ahead, out);
+    return out;
+  }
   const int8_t* wp = weight.data_ptr<int8_t>();
   const int16_t* xp = xq.values.data_ptr<int16_t>();
   with_rows(M, [&](auto rows) {

@@ -38,6 +38,9 @@ at::Tensor bf16_blocks(const at::Tensor& weight);
 bool block_gemv_takes(const at::Tensor& weight);
 at::Tensor bf16_gemv_weight(at::Tensor weight);
 at::Tensor block_bf16_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t ahead);
+c10::optional<at::Tensor> int8_gemv_blocks(const at::Tensor& weight);
+void block_int8_gemv(const at::Tensor& x16, const float* x_scales, const at::Tensor& blocks,
+                     const float* scales, int64_t ahead, at::Tensor& out);
 
 // amx_gemv.cpp
 bool amx_gemv_takes(const at::Tensor& weight);

@@ -37,6 +37,19 @@ inline __m512 load16(const at::Float8_e5m2* p) {
 }
 #endif
 
+#ifdef __AVX512BW__
+// acc's 16 int32 lanes plus the products of a's and b's int16 pairs, each lane adding its pair's
+// two products: one instruction with AVX512-VNNI (vpdpwssd), else AVX512-BW's vpmaddwd and an
+// add.
+inline __m512i add_pair_products(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+#endif
+
 #ifdef __AVX512BF16__
 // v rounded to bf16 in the low half of each 32-bit lane, as bf16_lanes (below) does 8: PyTorch's
 // rounding. Not AVX512-BF16's conversion instruction, which flushes denormals to zero.
