@@ -17,8 +17,8 @@
 //
 // int8 weights (quantization/int8.py) take the same layout, [N/64, K/2, 64, 2] int8: a k pair's
 // 64 rows fill two lines, each widened half by half to int16 (16 rows' pair per register), and
-// AVX512-VNNI's vpdpwssd adds a token's int16 pair (int8_gemv rounds activations to int16) to 16
-// rows' int32 sums, exactly. A lane gains at most 2 * 32768 * 127 a pair, so the integer sums
+// one instruction (AVX512-VNNI's vpdpwssd; AVX512-BW's vpmaddwd and an add) adds a token's int16
+// pair (int8_gemv rounds activations to int16) to 16 rows' int32 sums, exactly. A lane gains at most 2 * 32768 * 127 a pair, so the integer sums
 // are folded into float32 every INT32_SAFE_PAIRS pairs. Each instruction does half the work per
 // weight byte of the bf16 one, so here the products, not memory, bound a step of several tokens:
 // more than 4 tokens go through a block in two passes of at most 4 (the block's second pass

@@ -275,8 +275,8 @@ void softmax_row(const float* scores, int64_t visible, int64_t width, float scal
   row_sum += _mm512_reduce_add_ps(sum);
 }
 
-// Asks for `count` bf16 from `at` in L2: a packed key or value block read soon. Without it each
-// block's first pass over its lines waits for them from L3.
+// Asks for `count` bf16 from `at` in L2: the packed key or value block read next, so that its
+// first pass need not wait on L3 line by line.
 void prefetch_to_l2(const bf16* at, int64_t count) {
   const char* bytes = reinterpret_cast<const char*>(at);
   for (int64_t offset = 0; offset < count * 2; offset += 64)
