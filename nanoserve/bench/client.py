@@ -205,6 +205,26 @@ class Progress:
         )
 
 
+def is_interrupt(exception: BaseException | None) -> bool:
+    """A KeyboardInterrupt (Ctrl-C, or a signal the runner turns into one), or a group of
+    nothing but interrupts and cancellations: httpx's connection code (anyio) wraps what lands
+    inside its task groups."""
+    if isinstance(exception, KeyboardInterrupt):
+        return True
+    inner = getattr(exception, "exceptions", None)  # an exception group's members
+    return bool(inner) and all(
+        is_interrupt(e) or isinstance(e, asyncio.CancelledError) for e in inner
+    )
+
+
+def quiet_about_interrupts(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The measuring loops' exception handler: a request task that an interrupt ended is not
+    logged (asyncio would print its traceback as `asyncio.run` shuts down, around the one line
+    the bench prints when interrupted); anything else is, as by default."""
+    if not is_interrupt(context.get("exception")):
+        loop.default_exception_handler(context)
+
+
 def make_client(timeout_s: float) -> httpx.AsyncClient:
     """One client per phase; no connection limit so `max_concurrency` alone sets the load."""
     return httpx.AsyncClient(
@@ -225,6 +245,7 @@ async def run_phase(
     """Send `bodies` with Poisson arrivals at `request_rate` (inf: all at once), at most
     `max_concurrency` in flight. Returns the results in `bodies` order and the wall time from
     the first send to the last completion."""
+    asyncio.get_running_loop().set_exception_handler(quiet_about_interrupts)
     rng = random.Random(seed)
     semaphore = asyncio.Semaphore(max_concurrency or len(bodies) or 1)
     results = [RequestResult(index=i) for i in range(len(bodies))]
@@ -256,6 +277,7 @@ async def run_typing(
 ) -> tuple[list[RequestResult], float]:
     """Autocomplete: send each body at its time (seconds after start); a new request drops the
     previous one if it is still running, by cancelling it (the connection is closed)."""
+    asyncio.get_running_loop().set_exception_handler(quiet_about_interrupts)
     results = [RequestResult(index=i) for i in range(len(bodies_and_times))]
     progress = Progress(label, len(bodies_and_times))
     previous: tuple[asyncio.Task, RequestResult] | None = None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
+import importlib
 import json
 
 import httpx
@@ -95,3 +97,35 @@ def test_a_dropped_request_counts_its_first_token_but_not_as_finished():
     assert summary["num_answered"] == 2
     assert summary["ttft_ms"]["p50"] == pytest.approx(100.0)
     assert summary["ttft_answered_ms"]["p50"] == pytest.approx(200.0)  # 100 and 300 ms
+
+
+def test_a_task_an_interrupt_ended_is_not_logged_but_any_other_failure_is(caplog):
+    """An interrupt can land inside httpx's connection code, whose task groups wrap it; the
+    measuring loops' handler keeps its traceback out of the bench's one-line exit."""
+    from nanoserve.bench.client import is_interrupt, quiet_about_interrupts
+
+    # Python 3.11's built-in, or on 3.10 the backport anyio (under httpx) depends on
+    group = getattr(builtins, "BaseExceptionGroup", None)
+    group = group or importlib.import_module("exceptiongroup").BaseExceptionGroup
+    wrapped = group("connect", [KeyboardInterrupt(), asyncio.CancelledError()])
+    assert is_interrupt(KeyboardInterrupt()) and is_interrupt(wrapped)
+    assert not is_interrupt(group("mixed", [KeyboardInterrupt(), ValueError()]))
+    assert not is_interrupt(ValueError()) and not is_interrupt(None)
+
+    async def fail(exception: BaseException) -> None:
+        raise exception
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(quiet_about_interrupts)
+        for exception in (wrapped, ValueError("a real failure")):
+            task = asyncio.create_task(fail(exception))
+            await asyncio.wait([task])
+            loop.call_exception_handler({"message": "never retrieved", "exception": exception})
+            task.exception()  # retrieved: nothing else logs it
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(main())
+    logged = [record.getMessage() for record in caplog.records if record.name == "asyncio"]
+    assert logged == ["never retrieved"]  # the ValueError's, not the interrupt's
+    assert "a real failure" in caplog.text and "KeyboardInterrupt" not in caplog.text
