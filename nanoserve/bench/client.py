@@ -211,7 +211,7 @@ def is_interrupt(exception: BaseException | None) -> bool:
     inside its task groups."""
     if isinstance(exception, KeyboardInterrupt):
         return True
-    inner = getattr(exception, "exceptions", None)  # an exception group's members
+    inner: tuple[BaseException, ...] = getattr(exception, "exceptions", ())  # a group's members
     return bool(inner) and all(
         is_interrupt(e) or isinstance(e, asyncio.CancelledError) for e in inner
     )
