@@ -38,7 +38,8 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert "scripts/test.sh" in ci_lines
     test_script = (ROOT / "scripts" / "test.sh").read_text().splitlines()
     assert "bash scripts/install.sh dev" in test_script
-    assert test_script[-1] == 'exec "${PYTHON:-python}" -m pytest tests "$@"'
+    pytest_line = 'exec "${PYTHON:-python}" -m pytest tests -n auto --dist loadfile "$@"'
+    assert test_script[-1] == pytest_line
 
 
 def test_the_serve_script_installs_then_serves():
