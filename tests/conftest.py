@@ -36,6 +36,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a worker per core this process may run on, at most MAX_WORKERS."""
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
