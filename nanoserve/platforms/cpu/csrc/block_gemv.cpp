@@ -150,10 +150,14 @@ static bool fits_blocks(const at::Tensor& weight, at::ScalarType dtype) {
          weight.size(0) % ROWS == 0 && weight.size(1) % 2 == 0;
 }
 
-// weight [N, K] -> blocks [N/64, K/2, 64, 2] (a copy).
+// weight [N, K] -> blocks [N/64, K/2, 64, 2] (a copy). A k pair moves as one element (int32 for
+// bf16, int16 for int8): the copy then moves whole pairs, several times faster than values.
 static at::Tensor blocks_of(const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1);
-  return weight.reshape({N / ROWS, ROWS, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  const auto pair = weight.element_size() == 2 ? at::kInt : at::kShort;
+  const at::Tensor pairs = weight.contiguous().view(pair).reshape({N / ROWS, ROWS, K / 2});
+  const at::Tensor blocks = pairs.permute({0, 2, 1}).contiguous();  // [N/64, K/2, 64] pairs
+  return blocks.view(weight.scalar_type()).reshape({N / ROWS, K / 2, ROWS, 2});
 }
 
 // weight [N, K] bf16 -> blocks [N/64, K/2, 64, 2] (a copy).
