@@ -52,10 +52,10 @@ class Engine:
         )
         self.load_time_s = time.perf_counter() - started
         logger.info("weights in %.2f s; preparing the layers' linear methods", self.load_time_s)
+        self.dtype = next(model.parameters()).dtype  # before the fast paths drop any weight
         fast_paths.prepare_model(model)  # linear methods and layer ops, layer by layer
         self.prepare_time_s = time.perf_counter() - started - self.load_time_s
         self.model = model
-        self.dtype = next(model.parameters()).dtype
 
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = config.resolve_max_model_len(self.model_config)

@@ -39,6 +39,7 @@ from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import install_cpu_linears
 from nanoserve.platforms.cpu.memory import KVPoolPages
 from nanoserve.platforms.cpu.threads import GovernedRunner, ThreadGovernor
+from nanoserve.platforms.cpu.tied_embedding import read_tied_embedding_from_gemv_layout
 
 
 class CpuPaths:
@@ -54,6 +55,7 @@ class CpuPaths:
         """Packed weights for the linears still plain (after any quantization), fused ops."""
         # The compiled one-token products stream the plain weights: keep them too.
         install_cpu_linears(model, keep_plain_weights=self.compiled)
+        read_tied_embedding_from_gemv_layout(model)  # two copies of a tied matrix, not three
         if self.kernels is not None:
             install_layer_ops(model, FusedCpuOps(self.kernels))
 

@@ -197,7 +197,7 @@ def fused_layers(model: torch.nn.Module, kernels: ModuleType) -> Any:
         raise NotFusable(f"a {type(model).__name__}")
     if model.tp.size > 1:
         raise NotFusable("tensor parallelism (each layer's products end in an all-reduce)")
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.model.norm.weight.dtype  # the activations' (the embedding may hold none)
     if dtype != torch.bfloat16:
         raise NotFusable(f"{dtype} activations (the GEMVs take bf16)")
     layers = cast(list[LlamaDecoderLayer], list(model.model.layers))

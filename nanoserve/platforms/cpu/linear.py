@@ -11,8 +11,8 @@ blocks of 64 rows on AVX-512 BF16, `csrc/block_gemv.cpp`; plain on AMX's tile un
 `csrc/amx_gemv.cpp`). The kernels' build times both (`gemv_max_rows`: up to how many tokens the
 GEMV is faster). Where it is, each layer keeps that copy (`layer.gemv_weight`) beside the packed
 one: decode steps of up to that many tokens read it, prefills and larger batches the packed one
-(so the linear weights take twice their memory, a tied LM head's three times: the embedding
-keeps the plain one). Where it is not, only the packed weight is kept.
+(so the linear weights take twice their memory; a tied LM head's embedding reads the GEMV's
+copy, `tied_embedding.py`). Where it is not, only the packed weight is kept.
 
 The packed weight is an opaque MKLDNN tensor; `torch.ops.mkldnn._linear_pointwise` multiplies
 by it. Under torch.compile it is called through the `nanoserve::packed_linear` custom op, so that
