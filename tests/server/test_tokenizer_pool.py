@@ -125,4 +125,6 @@ def test_streams_keep_their_pace_while_a_huge_prompt_is_tokenized(
     # slows every gap (the typical one here was 25 ms against 5-14 ms quiet), never into this.
     context = (statistics.median(baseline), statistics.median(busy), busy_s)
     assert max(busy) < busy_s / LONGEST_GAP_SHARE, context
-    assert max(busy) < 1.0, busy
+    # And no stall anywhere near a prompt's tokenization: on a machine busy with another
+    # test worker the longest gap here was 1.45 s (busy_s: several seconds).
+    assert max(busy) < 3.0, busy
