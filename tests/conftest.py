@@ -5,7 +5,7 @@ while a test waits for /health), and no process a test started outlives the sess
 scripts/test.sh runs the suite in one pytest-xdist worker per core (`-n auto`, at most
 MAX_WORKERS), each with its own servers: so OpenMP threads here and in the servers the tests
 start wait for work passively, instead of spinning at every barrier on a core another worker
-needs (the suite took about a fifth less CPU time so). Nothing a test checks depends on it.
+needs (benchmarks/RESULTS.md, "The test command"). Nothing a test checks depends on it.
 """
 
 import os
