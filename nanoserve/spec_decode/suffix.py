@@ -14,69 +14,108 @@ one that expects the most accepted tokens wins.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 
 from nanoserve.core.request import Request
 
-
-@dataclass
-class TrieNode:
-    """One substring: how often it occurred, and the tokens seen after it."""
-
-    count: int = 0
-    children: dict[int, TrieNode] = field(default_factory=dict)
+ROOT = 0  # the empty substring's node
 
 
 class SuffixTrie:
-    """Counts of every substring of at most `max_depth` tokens of the sequences added."""
+    """Counts of every substring of at most `max_depth` tokens of the sequences added.
+
+    A node is an index into two lists: its count, and its children ({token id: node}). Nodes
+    are ints and hold only ints, so that Python's garbage collector does not track (and
+    traverse, again and again) the hundreds of thousands of nodes a few long requests make.
+    """
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
-        self.root = TrieNode()
+        self.counts: list[int] = [0]  # [node]
+        self.children: list[dict[int, int]] = [{}]  # [node]: {token id: child node}
+        self.free_nodes: list[int] = []  # removed nodes, reused first
+
+    def child(self, node: int, token_id: int) -> int:
+        """The node after `node` for `token_id`, made (with count 0) where there is none."""
+        children = self.children[node]
+        child = children.get(token_id)
+        if child is None:
+            child = children[token_id] = self._new_node()
+        return child
+
+    def _new_node(self) -> int:
+        if self.free_nodes:
+            node = self.free_nodes.pop()
+            self.counts[node], self.children[node] = 0, {}
+            return node
+        self.counts.append(0)
+        self.children.append({})
+        return len(self.counts) - 1
 
     def add(self, token_ids: list[int], sign: int = 1) -> None:
         """Count (sign 1) or uncount (-1) every substring of a whole sequence."""
         for start in range(len(token_ids)):
-            node = self.root
+            node = ROOT
             for token_id in token_ids[start : start + self.max_depth]:
-                child = node.children.setdefault(token_id, TrieNode())
-                child.count += sign
-                if child.count == 0:
-                    del node.children[token_id]
+                child = self.child(node, token_id)
+                self.counts[child] += sign
+                if self.counts[child] == 0:  # no occurrence left below it either
+                    del self.children[node][token_id]
+                    self._free_subtree(child)
                     break
                 node = child
+
+    def _free_subtree(self, node: int) -> None:
+        stack = [node]
+        while stack:
+            node = stack.pop()
+            stack.extend(self.children[node].values())
+            self.children[node] = {}
+            self.free_nodes.append(node)
+
+    def suffix_nodes(self, context: list[int]) -> Iterator[int]:
+        """The node of each suffix of `context` the trie holds (of at most `max_depth` tokens),
+        shortest first; a suffix it does not hold ends them (no longer one can match)."""
+        context = context[-self.max_depth :]
+        for match_len in range(1, len(context) + 1):
+            node: int | None = ROOT
+            for token_id in context[-match_len:]:
+                node = self.children[node].get(token_id) if node is not None else None
+            if node is None:
+                return
+            yield node
 
     def draft(
         self, context: list[int], max_tokens: int, factor: float, min_prob: float
     ) -> tuple[list[int], float]:
-        """The best draft over every match length of `context`'s suffix, and its score.
+        """The best draft over every match length of `context`'s suffix, and its score."""
+        return self.best_draft(self.suffix_nodes(context), max_tokens, factor, min_prob)
 
-        Each suffix of `context` found in the trie drafts its most frequent continuation; the
-        score is the draft's expected number of accepted tokens (the sum of its running
-        probabilities), and the highest wins (ties: the longer match).
+    def best_draft(
+        self, suffix_nodes: Iterable[int], max_tokens: int, factor: float, min_prob: float
+    ) -> tuple[list[int], float]:
+        """Of the drafts after each matched suffix (`suffix_nodes`: of lengths 1, 2, ...), the
+        best.
+
+        Each matched suffix drafts its most frequent continuation; the score is the draft's
+        expected number of accepted tokens (the sum of its running probabilities), and the
+        highest wins (ties: the longer match).
         """
         best: tuple[list[int], float] = ([], 0.0)
-        context = context[-self.max_depth :]
-        for match_len in range(1, len(context) + 1):
-            node: TrieNode | None = self.root
-            for token_id in context[-match_len:]:
-                node = node.children.get(token_id) if node is not None else None
-            if node is None:
-                break  # no longer suffix can match either
+        for match_len, node in enumerate(suffix_nodes, start=1):
             limit = min(max_tokens, int(factor * match_len))
-            draft, score = self._follow(node, limit, min_prob)
+            draft, score = self.follow_likeliest(node, limit, min_prob)
             if score >= best[1] and draft:
                 best = (draft, score)
         return best
 
-    @staticmethod
-    def _follow(node: TrieNode, limit: int, min_prob: float) -> tuple[list[int], float]:
+    def follow_likeliest(self, node: int, limit: int, min_prob: float) -> tuple[list[int], float]:
         """Walk down the most frequent child while the running probability holds."""
-        draft: list[int] = []
+        counts, draft = self.counts, list[int]()
         prob, score = 1.0, 0.0
-        while node.children and len(draft) < limit:
-            token_id, child = max(node.children.items(), key=lambda item: item[1].count)
-            prob *= child.count / node.count
+        while self.children[node] and len(draft) < limit:
+            token_id, child = max(self.children[node].items(), key=lambda item: counts[item[1]])
+            prob *= counts[child] / counts[node]
             if prob < min_prob:
                 break
             draft.append(token_id)
@@ -86,23 +125,33 @@ class SuffixTrie:
 
 
 class GrowingSuffixTrie(SuffixTrie):
-    """A request's own trie, extended token by token as its output grows."""
+    """A request's own trie, extended token by token as its output grows.
+
+    It keeps the nodes of its sequence's suffixes (`open_nodes`): extending counts one child
+    of each, and drafting after its own sequence starts from them, with no walk from the root.
+    """
 
     def __init__(self, max_depth: int) -> None:
         super().__init__(max_depth)
-        self.open_nodes: list[TrieNode] = []  # nodes of the suffixes shorter than max_depth
+        self.open_nodes: list[int] = []  # suffixes of 1 .. max_depth - 1 tokens
         self.num_tokens = 0
 
     def extend(self, token_ids: list[int]) -> None:
         """Count the substrings that end at each new token."""
+        keep, counts = self.max_depth - 1, self.counts
         for token_id in token_ids:
-            opened = []
-            for node in [self.root, *self.open_nodes]:
-                child = node.children.setdefault(token_id, TrieNode())
-                child.count += 1
-                opened.append(child)
-            self.open_nodes = opened[: self.max_depth - 1]
+            opened = [self.child(node, token_id) for node in (ROOT, *self.open_nodes)]
+            for child in opened:
+                counts[child] += 1
+            self.open_nodes = opened[:keep]
             self.num_tokens += 1
+
+    def draft_after_own(
+        self, max_tokens: int, factor: float, min_prob: float
+    ) -> tuple[list[int], float]:
+        """`draft` with this trie's own sequence as the context (its suffixes' nodes are open;
+        a suffix of max_depth tokens has no children to draft from)."""
+        return self.best_draft(self.open_nodes, max_tokens, factor, min_prob)
 
 
 class SuffixProposer:
@@ -129,10 +178,9 @@ class SuffixProposer:
         """The best draft of at most `num_tokens` from the request's own trie or the global one."""
         trie = self.tries.setdefault(request_id, GrowingSuffixTrie(self.max_depth))
         trie.extend(token_ids[trie.num_tokens :])
-        context = token_ids[-self.max_depth :]
         args = (num_tokens, self.max_spec_factor, self.min_prob)
-        own, own_expected = trie.draft(context, *args)
-        other, other_expected = self.global_trie.draft(context, *args)
+        own, own_expected = trie.draft_after_own(*args)
+        other, other_expected = self.global_trie.draft(token_ids, *args)
         return own if own_expected >= other_expected else other
 
     def finish(self, request: Request) -> None:

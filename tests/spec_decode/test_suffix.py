@@ -1,20 +1,41 @@
 """Suffix decoding: counted substrings, the most frequent continuation, its probability
 threshold, the global cache of earlier outputs and its bound."""
 
+import random
+
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.core.request import Request
-from nanoserve.spec_decode.suffix import GrowingSuffixTrie, SuffixProposer, SuffixTrie
+from nanoserve.spec_decode.suffix import ROOT, GrowingSuffixTrie, SuffixProposer, SuffixTrie
+
+
+def as_dict(trie: SuffixTrie, node: int = ROOT) -> dict:
+    """{token: (count, its children as such a dict)} below `node`."""
+    return {t: (trie.counts[c], as_dict(trie, c)) for t, c in trie.children[node].items()}
 
 
 def test_counts_every_substring_up_to_the_depth():
     trie = SuffixTrie(max_depth=3)
     trie.add([1, 2, 1, 2])
-    assert trie.root.children[1].count == 2
-    assert trie.root.children[1].children[2].count == 2
-    assert trie.root.children[1].children[2].children[1].count == 1
-    assert 2 not in trie.root.children[1].children[2].children[1].children  # depth 3 at most
+    assert as_dict(trie) == {
+        1: (2, {2: (2, {1: (1, {})})}),  # "1 2 1", and no "1 2 1 2": depth 3 at most
+        2: (2, {1: (1, {2: (1, {})})}),
+    }
     trie.add([1, 2, 1, 2], sign=-1)
-    assert trie.root.children == {}
+    assert as_dict(trie) == {}
+    assert sorted(trie.free_nodes) == list(range(1, 7))  # every node but the root, to reuse
+    trie.add([3, 3])
+    assert as_dict(trie) == {3: (2, {3: (1, {})})}
+    assert len(trie.counts) == 7  # in nodes that were freed
+
+
+def test_a_cached_sequence_removed_leaves_the_others_counts():
+    trie = SuffixTrie(max_depth=4)
+    trie.add([1, 2, 3])
+    trie.add([1, 2, 4, 5])
+    trie.add([1, 2, 4, 5], sign=-1)
+    alone = SuffixTrie(max_depth=4)
+    alone.add([1, 2, 3])
+    assert as_dict(trie) == as_dict(alone)
 
 
 def test_a_growing_trie_equals_one_built_at_once():
@@ -24,11 +45,21 @@ def test_a_growing_trie_equals_one_built_at_once():
     growing.extend(tokens[3:])
     whole = SuffixTrie(max_depth=4)
     whole.add(tokens)
+    assert as_dict(growing) == as_dict(whole)
 
-    def as_dict(node):
-        return {t: (c.count, as_dict(c)) for t, c in node.children.items()}
 
-    assert as_dict(growing.root) == as_dict(whole.root)
+def test_a_growing_trie_drafts_from_its_open_nodes_what_a_walk_from_the_root_finds():
+    rng = random.Random(0)
+    for depth in (1, 2, 5, 24):
+        trie = GrowingSuffixTrie(max_depth=depth)
+        tokens: list[int] = []
+        for _ in range(40):
+            new = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]  # repeats: long matches
+            trie.extend(new)
+            tokens += new
+            for max_tokens, factor, min_prob in ((8, 1.0, 0.1), (3, 4.0, 0.0), (24, 0.5, 0.4)):
+                walked = trie.draft(tokens, max_tokens, factor, min_prob)  # from the root
+                assert trie.draft_after_own(max_tokens, factor, min_prob) == walked
 
 
 def test_drafts_the_most_frequent_continuation_while_it_is_likely():
@@ -64,6 +95,6 @@ def test_earlier_outputs_draft_for_new_requests_and_the_oldest_leave():
     new = finished_request("b", [50, 10, 11], [])
     assert proposer.propose([new], [3]) == [[12, 13]]
     proposer.finish(finished_request("c", [0], [20, 21]))  # "a" leaves the global trie
-    assert proposer.global_trie.root.children.keys() == {20, 21}
+    assert proposer.global_trie.children[ROOT].keys() == {20, 21}
     assert proposer.propose([finished_request("d", [10, 11], [])], [3]) == [[]]
     assert "b" in proposer.tries and "d" in proposer.tries
