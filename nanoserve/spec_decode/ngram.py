@@ -10,7 +10,6 @@ and cost no model.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from nanoserve.core.request import Request
 
@@ -30,8 +29,10 @@ class NgramProposer:
     def propose_one(self, token_ids: list[int], num_tokens: int) -> list[int]:
         """Up to `num_tokens` tokens that followed the longest recent match of the suffix."""
         tokens = np.asarray(token_ids, dtype=np.int64)
+        # Every earlier place of the last token: the only places an earlier n-gram can end.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = best_earlier_match(tokens, n, num_tokens)
+            start = best_earlier_match(tokens, n, num_tokens, ends)
             if start >= 0:
                 return tokens[start + n : start + n + num_tokens].tolist()
         return []
@@ -43,14 +44,24 @@ class NgramProposer:
         """Nothing to release."""
 
 
-def best_earlier_match(tokens: np.ndarray, n: int, num_tokens: int) -> int:
+def best_earlier_match(
+    tokens: np.ndarray, n: int, num_tokens: int, ends: np.ndarray | None = None
+) -> int:
     """Where the last n tokens occurred before, or -1: the most recent occurrence with
     `num_tokens` known tokens after it, else the earliest (in a repeating run, the most recent
-    occurrence is just behind the suffix and leaves too little to draft)."""
-    suffix = tokens[-n:]
-    windows = sliding_window_view(tokens[:-1], n)  # [L - n, n]: every earlier n-gram
-    (starts,) = np.nonzero((windows == suffix).all(axis=1))
-    if not len(starts):
+    occurrence is just behind the suffix and leaves too little to draft).
+
+    `ends`: the earlier places of the last token (found if not given); each is checked
+    backwards, one token at a time, so a lookup reads the context once, not once per n-gram.
+    """
+    last = len(tokens) - 1
+    if ends is None:
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    ends = ends[ends >= n - 1]  # whole n-grams only
+    for back in range(1, n):
+        ends = ends[tokens[ends - back] == tokens[last - back]]
+    if not len(ends):
         return -1
+    starts = ends - (n - 1)
     with_room = starts[starts + n + num_tokens <= len(tokens)]
     return int(with_room[-1]) if len(with_room) else int(starts[0])

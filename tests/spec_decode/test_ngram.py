@@ -1,5 +1,7 @@
 """N-gram prompt lookup: the longest recent match of the suffix, its continuation."""
 
+import random
+
 import numpy as np
 
 from nanoserve.spec_decode.ngram import NgramProposer, best_earlier_match
@@ -37,3 +39,20 @@ def test_the_draft_is_cut_at_the_known_tokens_and_the_limit():
 def test_a_repeating_run_drafts_a_whole_draft():
     tokens = [3, 9, 9, 9, 9, 9, 9]
     assert NgramProposer(2, 2).propose_one(tokens, 3) == [9, 9, 9]
+
+
+def earliest_or_latest_with_room(tokens: list[int], n: int, num_tokens: int) -> int:
+    """best_earlier_match by its definition: every earlier n-gram compared with the suffix."""
+    starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
+    with_room = [s for s in starts if s + n + num_tokens <= len(tokens)]
+    return with_room[-1] if with_room else starts[0] if starts else -1
+
+
+def test_the_lookup_finds_what_comparing_every_earlier_n_gram_finds():
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(2, 40))]
+        for n in range(1, min(6, len(tokens))):
+            for num_tokens in (1, 3, 8):
+                expected = earliest_or_latest_with_room(tokens, n, num_tokens)
+                assert best_earlier_match(np.array(tokens), n, num_tokens) == expected
