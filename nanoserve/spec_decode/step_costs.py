@@ -44,15 +44,21 @@ class TimedBucket:
 
     def __init__(self) -> None:
         self.seconds: deque[float] = deque(maxlen=WINDOW)
-        self.median_s = 0.0
+        self._median_s: float | None = 0.0  # None: to compute again (read less than added)
         self.last_step = 0
 
     def add(self, seconds: float, step: int) -> None:
         if step - self.last_step > MAX_AGE_STEPS:
             self.seconds.clear()  # stale: start afresh
         self.seconds.append(seconds)
-        self.median_s = statistics.median(self.seconds)
+        self._median_s = None
         self.last_step = step
+
+    @property
+    def median_s(self) -> float:
+        if self._median_s is None:
+            self._median_s = statistics.median(self.seconds)
+        return self._median_s
 
     def is_known(self, step: int) -> bool:
         """Timed often enough, and lately (as of timed step number `step`)."""

@@ -113,8 +113,11 @@ class SuffixTrie:
         """Walk down the most frequent child while the running probability holds."""
         counts, draft = self.counts, list[int]()
         prob, score = 1.0, 0.0
-        while self.children[node] and len(draft) < limit:
-            token_id, child = max(self.children[node].items(), key=lambda item: counts[item[1]])
+        while len(draft) < limit and (children := self.children[node]):
+            if len(children) == 1:  # a copied passage's usual case: no counts to compare
+                ((token_id, child),) = children.items()
+            else:
+                token_id, child = max(children.items(), key=lambda item: counts[item[1]])
             prob *= counts[child] / counts[node]
             if prob < min_prob:
                 break
@@ -138,11 +141,15 @@ class GrowingSuffixTrie(SuffixTrie):
 
     def extend(self, token_ids: list[int]) -> None:
         """Count the substrings that end at each new token."""
-        keep, counts = self.max_depth - 1, self.counts
+        keep, counts, children = self.max_depth - 1, self.counts, self.children
         for token_id in token_ids:
-            opened = [self.child(node, token_id) for node in (ROOT, *self.open_nodes)]
-            for child in opened:
+            opened = []
+            for node in (ROOT, *self.open_nodes):  # `child`, inlined: this runs per token
+                child = children[node].get(token_id)
+                if child is None:
+                    child = children[node][token_id] = self._new_node()
                 counts[child] += 1
+                opened.append(child)
             self.open_nodes = opened[:keep]
             self.num_tokens += 1
 
