@@ -266,7 +266,9 @@ class AdaptiveSpeculator(Speculator):
     def _draft_limit(self, request: Request) -> int:
         """How many tokens `request` may have drafted for its next step (0: none)."""
         params = request.sampling_params
-        _, history = self.histories.setdefault(request.request_id, (request, DraftHistory()))
+        if request.request_id not in self.histories:  # (not setdefault: made once, not per step)
+            self.histories[request.request_id] = (request, DraftHistory())
+        history = self.histories[request.request_id][1]
         if request.grammar_future is not None:
             return 0  # its grammar is still being built
         if history.pause_steps > 0:

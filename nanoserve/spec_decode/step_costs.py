@@ -78,11 +78,13 @@ class StepCosts:
         """A step of `num_requests` decoding requests verifying `num_drafts` drafts took
         `seconds`."""
         self.num_steps += 1
-        if num_drafts == 0:
-            bucket = self.plain.setdefault(num_requests, TimedBucket())
+        if num_drafts:
+            buckets, shape = self.verify, num_requests + num_drafts
         else:
-            bucket = self.verify.setdefault(num_requests + num_drafts, TimedBucket())
-        bucket.add(seconds, self.num_steps)
+            buckets, shape = self.plain, num_requests
+        if shape not in buckets:  # (not setdefault: a bucket is made once, not per step)
+            buckets[shape] = TimedBucket()
+        buckets[shape].add(seconds, self.num_steps)
 
     def observe_lookup(self, num_requests: int, seconds: float) -> None:
         """The proposer took `seconds` to draft for `num_requests` requests."""

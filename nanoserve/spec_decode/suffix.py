@@ -54,13 +54,16 @@ class SuffixTrie:
 
     def add(self, token_ids: list[int], sign: int = 1) -> None:
         """Count (sign 1) or uncount (-1) every substring of a whole sequence."""
+        counts, children = self.counts, self.children
         for start in range(len(token_ids)):
             node = ROOT
             for token_id in token_ids[start : start + self.max_depth]:
-                child = self.child(node, token_id)
-                self.counts[child] += sign
-                if self.counts[child] == 0:  # no occurrence left below it either
-                    del self.children[node][token_id]
+                child = children[node].get(token_id)  # `child`, inlined: this runs per token
+                if child is None:
+                    child = children[node][token_id] = self._new_node()
+                counts[child] += sign
+                if counts[child] == 0:  # no occurrence left below it either
+                    del children[node][token_id]
                     self._free_subtree(child)
                     break
                 node = child
@@ -183,7 +186,9 @@ class SuffixProposer:
 
     def propose_one(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[int]:
         """The best draft of at most `num_tokens` from the request's own trie or the global one."""
-        trie = self.tries.setdefault(request_id, GrowingSuffixTrie(self.max_depth))
+        trie = self.tries.get(request_id)
+        if trie is None:
+            trie = self.tries[request_id] = GrowingSuffixTrie(self.max_depth)
         trie.extend(token_ids[trie.num_tokens :])
         args = (num_tokens, self.max_spec_factor, self.min_prob)
         own, own_expected = trie.draft_after_own(*args)
