@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from nanoserve.core.request import Request
 
 ROOT = 0  # the empty substring's node
+# Substring starts of finished outputs counted into the global trie per proposer call (each up
+# to max_depth nodes: ~0.2 ms of Python at the default depth of 24).
+GLOBAL_STARTS_PER_CALL = 32
 
 
 class SuffixTrie:
@@ -52,10 +56,13 @@ class SuffixTrie:
         self.children.append({})
         return len(self.counts) - 1
 
-    def add(self, token_ids: list[int], sign: int = 1) -> None:
-        """Count (sign 1) or uncount (-1) every substring of a whole sequence."""
+    def add(
+        self, token_ids: list[int], sign: int = 1, first: int = 0, end: int | None = None
+    ) -> None:
+        """Count (sign 1) or uncount (-1) every substring of a whole sequence (those starting
+        at `first` .. `end` - 1 only: a sequence may be counted a part at a time)."""
         counts, children = self.counts, self.children
-        for start in range(len(token_ids)):
+        for start in range(first, len(token_ids) if end is None else end):
             node = ROOT
             for token_id in token_ids[start : start + self.max_depth]:
                 child = children[node].get(token_id)  # `child`, inlined: this runs per token
@@ -164,8 +171,25 @@ class GrowingSuffixTrie(SuffixTrie):
         return self.best_draft(self.open_nodes, max_tokens, factor, min_prob)
 
 
+@dataclass
+class PendingCount:
+    """A finished output still to be counted into (sign 1) or out of (-1) the global trie,
+    from substring start `next_start` on."""
+
+    token_ids: list[int]
+    sign: int
+    next_start: int = 0
+
+
 class SuffixProposer:
-    """Suffix decoding over each request's own tokens and earlier requests' outputs."""
+    """Suffix decoding over each request's own tokens and earlier requests' outputs.
+
+    A finished request's output is counted into the global trie (and the oldest cached one out)
+    a part at a time, `GLOBAL_STARTS_PER_CALL` substring starts at each `propose` or `finish`:
+    counting a long output at once is milliseconds of Python in the engine loop, a stall for
+    every stream in the step that sees it finish. Where proposes are rare (a batch too large to
+    draft for) `finish` also counts an eighth of what is pending, so it stays bounded.
+    """
 
     def __init__(
         self, max_depth: int, max_cached_requests: int, max_spec_factor: float, min_prob: float
@@ -177,8 +201,11 @@ class SuffixProposer:
         self.tries: dict[str, GrowingSuffixTrie] = {}  # running requests' own tries
         self.global_trie = SuffixTrie(max_depth)
         self.cached_outputs: deque[list[int]] = deque()  # in the global trie, oldest first
+        self.pending: deque[PendingCount] = deque()  # in order: an output's "in" before its "out"
+        self.num_pending_starts = 0
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        self.count_pending(GLOBAL_STARTS_PER_CALL)
         return [
             self.propose_one(r.request_id, r.all_token_ids, n)
             for r, n in zip(requests, num_tokens, strict=True)
@@ -201,10 +228,27 @@ class SuffixProposer:
         output_token_ids = request.output_token_ids
         if self.max_cached_requests == 0 or not output_token_ids:
             return
-        self.global_trie.add(output_token_ids)
         self.cached_outputs.append(list(output_token_ids))
+        self._queue(PendingCount(self.cached_outputs[-1], 1))
         while len(self.cached_outputs) > self.max_cached_requests:
-            self.global_trie.add(self.cached_outputs.popleft(), sign=-1)
+            self._queue(PendingCount(self.cached_outputs.popleft(), -1))
+        self.count_pending(max(GLOBAL_STARTS_PER_CALL, self.num_pending_starts // 8))
+
+    def _queue(self, part: PendingCount) -> None:
+        self.pending.append(part)
+        self.num_pending_starts += len(part.token_ids)
+
+    def count_pending(self, max_starts: int) -> None:
+        """Count the pending outputs' next `max_starts` substring starts (in order)."""
+        while self.pending and max_starts > 0:
+            part = self.pending[0]
+            end = min(len(part.token_ids), part.next_start + max_starts)
+            self.global_trie.add(part.token_ids, part.sign, part.next_start, end)
+            max_starts -= end - part.next_start
+            self.num_pending_starts -= end - part.next_start
+            part.next_start = end
+            if end == len(part.token_ids):
+                self.pending.popleft()
 
     def close(self) -> None:
         """Nothing to release."""

@@ -98,3 +98,27 @@ def test_earlier_outputs_draft_for_new_requests_and_the_oldest_leave():
     assert proposer.global_trie.children[ROOT].keys() == {20, 21}
     assert proposer.propose([finished_request("d", [10, 11], [])], [3]) == [[]]
     assert "b" in proposer.tries and "d" in proposer.tries
+
+
+def test_long_outputs_join_the_global_trie_a_part_at_a_time_and_in_order():
+    rng = random.Random(1)
+    outputs = [[rng.randrange(50) for _ in range(n)] for n in (300, 200, 250)]
+    proposer = SuffixProposer(8, max_cached_requests=2, max_spec_factor=1.0, min_prob=0.1)
+    for index, output in enumerate(outputs):
+        proposer.finish(finished_request(f"r{index}", [0], output))
+    # The third output pushed the first out; nothing is counted in one go.
+    assert 0 < proposer.num_pending_starts < sum(map(len, outputs)) + len(outputs[0])
+    for _ in range(200):
+        proposer.propose([], [])  # each call counts a few more
+    assert proposer.num_pending_starts == 0 and not proposer.pending
+    expected = SuffixTrie(max_depth=8)
+    for output in outputs[1:]:
+        expected.add(output)
+    assert as_dict(proposer.global_trie) == as_dict(expected)
+
+
+def test_without_proposals_the_pending_outputs_stay_bounded():
+    proposer = SuffixProposer(8, max_cached_requests=1000, max_spec_factor=1.0, min_prob=0.1)
+    for index in range(200):  # no `propose` between them: a batch too large to draft for
+        proposer.finish(finished_request(f"r{index}", [0], list(range(index, index + 400))))
+        assert proposer.num_pending_starts <= 8 * 400 + 400
