@@ -39,15 +39,8 @@ class SuffixTrie:
         self.children: list[dict[int, int]] = [{}]  # [node]: {token id: child node}
         self.free_nodes: list[int] = []  # removed nodes, reused first
 
-    def child(self, node: int, token_id: int) -> int:
-        """The node after `node` for `token_id`, made (with count 0) where there is none."""
-        children = self.children[node]
-        child = children.get(token_id)
-        if child is None:
-            child = children[token_id] = self._new_node()
-        return child
-
     def _new_node(self) -> int:
+        """A node with count 0 and no children: a removed one if any, else a new one."""
         if self.free_nodes:
             node = self.free_nodes.pop()
             self.counts[node], self.children[node] = 0, {}
@@ -65,7 +58,7 @@ class SuffixTrie:
         for start in range(first, len(token_ids) if end is None else end):
             node = ROOT
             for token_id in token_ids[start : start + self.max_depth]:
-                child = children[node].get(token_id)  # `child`, inlined: this runs per token
+                child = children[node].get(token_id)
                 if child is None:
                     child = children[node][token_id] = self._new_node()
                 counts[child] += sign
@@ -154,7 +147,7 @@ class GrowingSuffixTrie(SuffixTrie):
         keep, counts, children = self.max_depth - 1, self.counts, self.children
         for token_id in token_ids:
             opened = []
-            for node in (ROOT, *self.open_nodes):  # `child`, inlined: this runs per token
+            for node in (ROOT, *self.open_nodes):
                 child = children[node].get(token_id)
                 if child is None:
                     child = children[node][token_id] = self._new_node()
