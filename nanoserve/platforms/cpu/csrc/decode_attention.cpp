@@ -172,14 +172,21 @@ static void softmax_numerators(float* scores, int64_t G, int64_t L, float* sums)
   }
 }
 
-// Where the cache's row for (block table row, key position j, KV head) starts.
+// Where a task's key rows start in the cache (one request's block-table row, one KV head): for
+// each key j < L, worked out once per task block by block, so that no key pays for a division
+// (j / block_size costs about as much as a short row's dot product).
 struct CacheRows {
-  const int64_t* table;  // this request's block-table row
-  int64_t block_size, num_kv_heads, head_dim, kv_head;
-  int64_t operator()(int64_t j) const {
-    const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    return (slot * num_kv_heads + kv_head) * head_dim;
+  std::vector<int64_t> starts;
+  void fill(const int64_t* table, int64_t L, int64_t block_size, int64_t num_kv_heads,
+            int64_t head_dim, int64_t kv_head) {
+    starts.resize(L);
+    const int64_t slot_elems = num_kv_heads * head_dim, head_offset = kv_head * head_dim;
+    for (int64_t j = 0, block = 0; j < L; ++block) {
+      int64_t at = table[block] * block_size * slot_elems + head_offset;
+      for (int64_t o = 0; o < block_size && j < L; ++o, ++j, at += slot_elems) starts[j] = at;
+    }
   }
+  int64_t operator()(int64_t j) const { return starts[j]; }
 };
 
 // T: the query's and output's type; C: the cache's (T, or FP8 widened as it is read).
@@ -198,10 +205,11 @@ static void attend(const at::Tensor& query, const at::Tensor& k_cache, const at:
   T* o = out.data_ptr<T>();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores, sums(G);
+    CacheRows row;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, L = lens[b];
-      const CacheRows row{tables + b * max_blocks, block_size, Hkv, D, task % Hkv};
-      const int64_t first = (b * H + row.kv_head * G) * D;  // this group's query heads
+      const int64_t b = task / Hkv, L = lens[b], kv_head = task % Hkv;
+      row.fill(tables + b * max_blocks, L, block_size, Hkv, D, kv_head);
+      const int64_t first = (b * H + kv_head * G) * D;  // this group's query heads
       for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[first + i]) * scale;
       scores.resize(G * L);
       for_key_blocks(k, row, L, D, [&](int64_t j, const auto& keys) {
