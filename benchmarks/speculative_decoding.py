@@ -8,7 +8,10 @@ Part 1, on the demo model (real weights, so acceptance means something), in-proc
 
     edit          a code-editing request: the prompt holds a Python module of this repository
                   (its first ~300 tokens), then asks for the same module with a name changed
-                  and starts it; greedy, as long as the module
+                  and starts it; greedy, as long as the module. Every batch, the warm-up's
+                  included, takes modules no earlier batch used (until the repository's
+                  modules run out: at 32 concurrent they come round again), so a suffix
+                  trie of earlier outputs never holds the very output it is asked for
     no-repeat     a short prompt sampled at temperature 1.0 for 500 tokens: output that repeats
                   nothing
     autocomplete  ~10-token greedy completions of a module's first lines: time to first token
@@ -39,24 +42,30 @@ from pathlib import Path
 from nanoserve import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-EDIT_FILES = [
-    "nanoserve/core/layers/norm.py",
-    "nanoserve/core/models/base.py",
-    "nanoserve/cli/help_format.py",
-    "nanoserve/core/models/registry.py",
-    "nanoserve/core/attention/__init__.py",
-    "nanoserve/server/server_load.py",
-]
+EDIT_FOLDERS = ("nanoserve", "benchmarks", "scripts", "tests")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
 ARMS = {"none": None, "ngram": NGRAM | {"prompt_lookup_max": 5}, "suffix": {"method": "suffix"}}
 
 
-def edit_prompts(llm: LLM, count: int) -> list[tuple[str, int]]:
-    """(prompt, max_tokens): a module, then the same module with a name changed, begun."""
+def edit_files() -> list[str]:
+    """The repository's modules an edit can rename `self` in (over 1,500 characters), in an
+    order fixed by a seed that mixes the folders."""
+    paths = [
+        str(path.relative_to(ROOT))
+        for folder in EDIT_FOLDERS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path.stat().st_size > 1500 and "self." in path.read_text()
+    ]
+    random.Random(0).shuffle(paths)
+    return paths
+
+
+def edit_prompts(llm: LLM, paths: list[str]) -> list[tuple[str, int]]:
+    """(prompt, max_tokens) per module: the module, then the same module with a name changed,
+    begun."""
     tokenizer = llm.tokenizer
     prompts = []
-    for index in range(count):
-        path = EDIT_FILES[index % len(EDIT_FILES)]
+    for path in paths:
         ids = tokenizer.encode((ROOT / path).read_text())[:300]
         module = tokenizer.decode(ids)
         first_line = module.split("\n", 1)[0]
@@ -110,7 +119,7 @@ def acceptance(llm: LLM, before) -> tuple[float, float]:
 def part_one(args: argparse.Namespace) -> list[str]:
     """Every workload and concurrency, the arms alternating within each round."""
     llms = {name: LLM(args.model, speculative_config=spec) for name, spec in ARMS.items()}
-    warm_up = edit_prompts(llms["none"], 2)
+    warm_up = edit_prompts(llms["none"], edit_files()[-2:])
     for llm in llms.values():  # first steps settle threads and caches: not measured
         run_batch(llm, warm_up, 0.0)
     results: dict[tuple[str, int, str], list[tuple[int, float, float, float]]] = {}
@@ -118,8 +127,8 @@ def part_one(args: argparse.Namespace) -> list[str]:
         for workload in args.workloads:
             for concurrency in args.concurrency:
                 batches = [
-                    workload_prompts(llms["none"], workload, concurrency, offset)
-                    for offset in range(args.repeats)
+                    workload_prompts(llms["none"], workload, concurrency, batch)
+                    for batch in range(round_index * args.repeats, (round_index + 1) * args.repeats)
                 ]
                 for name in _rotated(list(ARMS), round_index):
                     llm = llms[name]
@@ -141,15 +150,18 @@ def part_one(args: argparse.Namespace) -> list[str]:
     return throughput_table(results) + [""] + ttft_table(llms, args.model)
 
 
-def workload_prompts(llm: LLM, workload: str, concurrency: int, offset: int = 0):
-    """The prompts (with max_tokens) and temperature of one workload (`offset`: another
-    batch of the same workload)."""
+def workload_prompts(llm: LLM, workload: str, concurrency: int, batch: int):
+    """The prompts (with max_tokens) and temperature of a workload's `batch`-th batch (each
+    batch its own modules or words; the warm-up took the last two modules)."""
     if workload == "edit":
-        prompts = edit_prompts(llm, concurrency + offset)
-        return prompts[offset:], 0.0
-    rng = random.Random(1000 * offset + concurrency)
+        paths = edit_files()[:-2]
+        first = batch * concurrency
+        return edit_prompts(
+            llm, [paths[i % len(paths)] for i in range(first, first + concurrency)]
+        ), 0.0
+    rng = random.Random(1000 * batch + concurrency)
     words = ["data", "value", "x", "(", ")", "=", "+", "\n", "for", "in"]
-    return [(" ".join(rng.choice(words) for _ in range(30)), 500)] * concurrency, 1.0
+    return [(" ".join(rng.choice(words) for _ in range(30)), 500) for _ in range(concurrency)], 1.0
 
 
 def throughput_table(results: dict) -> list[str]:
@@ -176,7 +188,7 @@ def _tokens_per_s(runs: list[tuple[int, float, float, float]]) -> float:
 
 
 def ttft_table(llms: dict[str, LLM], model: str) -> list[str]:
-    autocomplete = [prompt[:200] for prompt, _ in edit_prompts(llms["none"], 6)]
+    autocomplete = [prompt[:200] for prompt, _ in edit_prompts(llms["none"], edit_files()[:6])]
     ttfts = {name: ttft_ms(llm, autocomplete) for name, llm in llms.items()}
     return [
         "| autocomplete TTFT, mean of 6 (ms) | " + " | ".join(ARMS) + " |",
