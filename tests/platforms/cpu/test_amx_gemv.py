@@ -36,8 +36,9 @@ def test_it_is_the_float32_product_rounded_once(kernels, out_features, in_featur
 
 
 @needs_amx
-def test_bf16_gemv_multiplies_whole_tiles_there(kernels):
-    weight, x = bf16(4096, 1024), bf16(8, 1024)
+@pytest.mark.parametrize("rows", [8, 16])  # 16: one pass on the tiles, not two vector passes
+def test_bf16_gemv_multiplies_whole_tiles_there(kernels, rows):
+    weight, x = bf16(4096, 1024), bf16(rows, 1024)
     assert torch.equal(kernels.bf16_gemv(x, weight), kernels.amx_bf16_gemv(x, weight))
 
 

@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[N, K] int8 weight -> [N/64, K/2, 64, 2] blocks of 64 rows where int8_gemv multiplies "
         "them here (AVX512-BW; N % 64 == 0, K even), else None");
   m.def("bf16_gemv", &bf16_gemv,
-        "[M, K] bf16 x [N, K] bf16 weight, or as bf16_gemv_weight lays it out -> [M, N] (M <= 8)");
+        "[M, K] bf16 x [N, K] bf16 weight, or as bf16_gemv_weight lays it out -> [M, N] (M <= 16)");
   m.def("bf16_gemv_weight", &bf16_gemv_weight,
         "[N, K] bf16 weight -> the layout bf16_gemv reads fastest here (blocks of 64 rows where "
         "block_gemv_takes it, else the weight itself)");

@@ -416,16 +416,18 @@ bool bf16_gemv_is_vectorized() {
 #endif
 }
 
-// x [M, K] bf16 (M <= 8), weight [N, K] bf16, or as bf16_gemv_weight lays it out (block_gemv.cpp)
-// -> [M, N] bf16 (float32 sums, rounded once).
-at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
+// The most tokens one vector GEMV pass takes (with_rows), and one bf16_gemv call (AMX's tiles
+// multiply 16 tokens in one pass; elsewhere two vector passes).
+constexpr int64_t VECTOR_GEMV_ROWS = 8;
+constexpr int64_t MOST_GEMV_ROWS = 16;
+
+// bf16_gemv's vector path for M <= 8 (AVX512-BF16 or AVX2, or the bf16 blocks).
+static at::Tensor vector_bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
   if (weight.dim() == 4) return block_bf16_gemv(x, weight, prefetch_bytes.load());  // block_gemv
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1));
+  TORCH_CHECK(weight.dim() == 2 && x.size(1) == weight.size(1));
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16);
   TORCH_CHECK(weight.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(M >= 1 && M <= 8, "the decode GEMVs take 1 to 8 rows, got ", M);
-  if (amx_gemv_applies(x, weight)) return amx_bf16_gemv(x, weight);  // tiles (amx_gemv.cpp)
   const at::Tensor activations = gemv_activations(x);
   const int64_t ahead = prefetch_bytes.load();
   auto out = at::empty({M, N}, x.options());
@@ -438,6 +440,19 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
     });
   });
   return out;
+}
+
+// x [M, K] bf16 (M <= 16), weight [N, K] bf16, or as bf16_gemv_weight lays it out (block_gemv.cpp)
+// -> [M, N] bf16 (float32 sums, rounded once). Up to 16 tokens stream the weight once where
+// AMX's tiles take it (amx_gemv.cpp); elsewhere the vector GEMV takes 8 tokens a pass.
+at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
+  TORCH_CHECK(x.dim() == 2, "x [M, K]");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(M >= 1 && M <= MOST_GEMV_ROWS, "the bf16 decode GEMV takes 1 to 16 rows, got ", M);
+  if (weight.dim() == 2 && amx_gemv_applies(x, weight)) return amx_bf16_gemv(x, weight);  // tiles
+  if (M <= VECTOR_GEMV_ROWS) return vector_bf16_gemv(x, weight);
+  return at::cat({vector_bf16_gemv(x.narrow(0, 0, VECTOR_GEMV_ROWS), weight),
+                  vector_bf16_gemv(x.narrow(0, VECTOR_GEMV_ROWS, M - VECTOR_GEMV_ROWS), weight)});
 }
 
 // ---------------------------------------------------------------------------------------------
