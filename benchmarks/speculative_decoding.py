@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import platform
 import random
 import statistics
@@ -47,6 +48,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
 ARMS = {"none": None, "ngram": NGRAM | {"prompt_lookup_max": 5}, "suffix": {"method": "suffix"}}
 
 
+@functools.cache
 def edit_files() -> list[str]:
     """The repository's modules an edit can rename `self` in (over 1,500 characters), in an
     order fixed by a seed that mixes the folders."""
@@ -57,7 +59,7 @@ def edit_files() -> list[str]:
         if path.stat().st_size > 1500 and "self." in path.read_text()
     ]
     random.Random(0).shuffle(paths)
-    return paths
+    return paths  # (read once per run: every batch takes its modules from it)
 
 
 def edit_prompts(llm: LLM, paths: list[str]) -> list[tuple[str, int]]:

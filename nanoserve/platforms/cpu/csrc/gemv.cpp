@@ -449,7 +449,7 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(x.dim() == 2, "x [M, K]");
   const int64_t M = x.size(0);
   TORCH_CHECK(M >= 1 && M <= MOST_GEMV_ROWS, "the bf16 decode GEMV takes 1 to 16 rows, got ", M);
-  if (weight.dim() == 2 && amx_gemv_applies(x, weight)) return amx_bf16_gemv(x, weight);  // tiles
+  if (amx_gemv_applies(x, weight)) return amx_bf16_gemv(x, weight);  // tiles (amx_gemv.cpp)
   if (M <= VECTOR_GEMV_ROWS) return vector_bf16_gemv(x, weight);
   return at::cat({vector_bf16_gemv(x.narrow(0, 0, VECTOR_GEMV_ROWS), weight),
                   vector_bf16_gemv(x.narrow(0, VECTOR_GEMV_ROWS, M - VECTOR_GEMV_ROWS), weight)});
