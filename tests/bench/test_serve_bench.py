@@ -18,6 +18,15 @@ import pytest
 from nanoserve.bench.workloads import WORKLOADS
 
 BENCH = [sys.executable, "-m", "nanoserve.cli.main", "bench"]
+# The same command in a process that writes every thread's stack to stderr on SIGUSR1, for the
+# tests that fail when it takes too long to exit.
+BENCH_WITH_STACK_DUMPS = [
+    sys.executable,
+    "-c",
+    "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True);"
+    " from nanoserve.cli.main import main; sys.exit(main(sys.argv[1:]))",
+    "bench",
+]
 # A bench that prints nothing for this long is hung: each step (a server's start, a workload's
 # phase) says when it begins and ends, and these runs' steps take seconds, minutes on a busy
 # machine. A slow bench keeps printing; only a bench that never ends passes the whole bound.
@@ -58,6 +67,16 @@ class BenchRun:
     @property
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
+
+    def wait_or_dump_stacks(self, timeout_s: float) -> int:
+        """Its exit code within `timeout_s`; else a failure that shows where each of its threads
+        was (its stacks, dumped on SIGUSR1: see BENCH_WITH_STACK_DUMPS) and what it printed."""
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGUSR1)
+            time.sleep(2)  # for the dump to be written
+            pytest.fail(f"still running after {timeout_s} s:\n{self.stderr[-6000:]}")
 
     def wait(self, silent_limit_s: float = SILENT_LIMIT_S) -> int:
         """Its exit code; once it has printed nothing for `silent_limit_s` or run for
@@ -218,7 +237,7 @@ def test_a_terminated_bench_stops_its_servers(tmp_path, rounds):
     arm = f"cmd=hanging={sys.executable} {tmp_path / 'server.py'} {{port}} {pid_file}"
     flags = ["--workload", "scoreboard", "--preset", "test", "--no-plots"]
     places = ["--model-dir", str(tmp_path / "model"), "--output-root", str(tmp_path / "results")]
-    command = [*BENCH, *flags, *places, "--arm", arm, "--rounds", rounds]
+    command = [*BENCH_WITH_STACK_DUMPS, *flags, *places, "--arm", arm, "--rounds", rounds]
     run = BenchRun(command, tmp_path)
     try:
         deadline = time.monotonic() + SILENT_LIMIT_S
@@ -228,7 +247,7 @@ def test_a_terminated_bench_stops_its_servers(tmp_path, rounds):
             time.sleep(0.05)  # paces the poll
         server_pid = int(pid_file.read_text())
         run.process.send_signal(signal.SIGTERM)  # its warm-up request hangs: mid-measurement
-        assert run.process.wait(timeout=60) == 130
+        assert run.wait_or_dump_stacks(timeout_s=60) == 130
     finally:
         run.stop()
     with pytest.raises(ProcessLookupError):
