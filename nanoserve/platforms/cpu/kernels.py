@@ -49,6 +49,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import platform
 import shutil
@@ -88,10 +89,12 @@ RECORD = "built.json"
 PREFETCH_CANDIDATES = (0, 2048, 4096, 8192)
 TUNING_BYTES = 128 << 20  # the least weight bytes a timing streams (past_the_caches)
 # Raised when what is timed at build changes, so that every install times its build again.
-TUNING_VERSION = 5
-# The most rows one bf16_gemv call takes: 16 stream a weight once on AMX's tiles; elsewhere the
-# call takes 8 a pass (past 8, twice the weight's bytes: the timing then keeps oneDNN's product).
-GEMV_MAX_CALL_ROWS = 16
+TUNING_VERSION = 6
+# The most rows one bf16_gemv call takes: up to 80 stream a weight once on AMX's tiles
+# (`bf16_gemv_max_rows()`: 16 elsewhere, in two passes of 8). The build times every size up to
+# 16, then every 8th, and stops at the first the GEMV loses (`gemv_row_sizes`).
+GEMV_MAX_CALL_ROWS = 80
+GEMV_ROW_STEP = 8  # past 16 tokens, the sizes timed
 # One decoder layer's weights ([out, in]: qkv, o, gate_up, down of the Qwen3-0.6B shape), the
 # products the GEMV and oneDNN are timed on.
 TUNING_LAYER = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
@@ -323,37 +326,43 @@ def tune_gemv_prefetch(module: ModuleType, rounds: int = 3) -> int:
     return chosen
 
 
+def gemv_row_sizes(most_rows: int) -> list[int]:
+    """The token counts the build times the GEMV at: each up to 16, then every GEMV_ROW_STEP
+    up to `most_rows` (a size between two timed ones goes as the larger one went)."""
+    each_to_16 = range(1, min(16, most_rows) + 1)
+    return [*each_to_16, *range(16 + GEMV_ROW_STEP, most_rows + 1, GEMV_ROW_STEP)]
+
+
 def tune_gemv_rows(module: ModuleType, rounds: int = 3) -> int:
-    """The most tokens (up to GEMV_MAX_CALL_ROWS) for which the bf16 GEMV multiplies by a
+    """The most tokens (up to `bf16_gemv_max_rows()`) for which the bf16 GEMV multiplies by a
     layer's weights; 0 unless it is at least GEMV_MARGIN faster than oneDNN's packed product at
     one token (then no linear keeps its plain weight beside the packed one). Where it is, it
-    takes each further size while it stays faster (the plain copy is kept either way). Timed on
-    TUNING_LAYER's shapes, repeated past the last-level cache (a model's weights do not fit
-    in it: what comes from memory is what counts); where oneDNN cannot pack bf16,
-    GEMV_MAX_CALL_ROWS. Sets and returns it."""
+    takes each further size (`gemv_row_sizes`) while it stays faster, and stops timing at the
+    first it loses (the plain copy is kept either way). Timed on TUNING_LAYER's shapes, repeated
+    past the last-level cache (a model's weights do not fit in it: what comes from memory is
+    what counts); where oneDNN cannot pack bf16, `bf16_gemv_max_rows()`. Sets and returns it."""
+    most_rows = int(module.bf16_gemv_max_rows())
     weights = [torch.ones(n, k, dtype=torch.bfloat16) for n, k in tuning_shapes()]
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
     except (RuntimeError, AttributeError):  # no bf16 packing here (AVX2 only)
-        module.gemv_max_rows = GEMV_MAX_CALL_ROWS  # type: ignore[attr-defined]
-        return GEMV_MAX_CALL_ROWS
+        module.gemv_max_rows = most_rows  # type: ignore[attr-defined]
+        return most_rows
     weights = [module.bf16_gemv_weight(w) for w in weights]  # as the GEMV reads them
-    best: dict[tuple[str, int], float] = {}
-    for _ in range(rounds):
-        for num_rows in range(1, GEMV_MAX_CALL_ROWS + 1):
-            for how in ("gemv", "packed"):
-                seconds = time_products(module, how, num_rows, weights, packed)
-                best[how, num_rows] = min(best.get((how, num_rows), seconds), seconds)
-    chosen = 0
-    if best["gemv", 1] < (1 - GEMV_MARGIN) * best["packed", 1]:
-        chosen = 1
-        while chosen < GEMV_MAX_CALL_ROWS and best["gemv", chosen + 1] < best["packed", chosen + 1]:
-            chosen += 1
-    timings = ", ".join(
-        f"{n}: {best['gemv', n] * 1e3:.1f}/{best['packed', n] * 1e3:.1f} ms"
-        for n in range(1, GEMV_MAX_CALL_ROWS + 1)
+    chosen, timings = 0, []
+    for num_rows in gemv_row_sizes(most_rows):
+        best = {"gemv": math.inf, "packed": math.inf}
+        for _ in range(rounds):  # the two alternate, so that a noisy machine shifts both
+            for how in best:
+                best[how] = min(best[how], time_products(module, how, num_rows, weights, packed))
+        timings.append(f"{num_rows}: {best['gemv'] * 1e3:.1f}/{best['packed'] * 1e3:.1f} ms")
+        margin = GEMV_MARGIN if num_rows == 1 else 0.0
+        if best["gemv"] >= (1 - margin) * best["packed"]:
+            break
+        chosen = num_rows
+    logger.info(
+        "products of up to %d tokens by the GEMV (GEMV/oneDNN: %s)", chosen, ", ".join(timings)
     )
-    logger.info("decode products of up to %d tokens by the GEMV (GEMV/oneDNN: %s)", chosen, timings)
     module.gemv_max_rows = chosen  # type: ignore[attr-defined]
     return chosen
 

@@ -1,5 +1,6 @@
-"""The AMX decode product (csrc/amx_gemv.cpp): a few tokens times a plain bf16 weight on the
-tile units, float32 sums rounded once, and bf16_gemv's route to it where it applies."""
+"""The AMX product of a few tokens (csrc/amx_gemv.cpp): up to 80 tokens times a plain bf16
+weight on the tile units, float32 sums rounded once, and bf16_gemv's route to it where it
+applies."""
 
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ def test_it_applies_to_whole_tiles_wherever_the_cpu_has_amx(kernels):
     assert kernels.amx_gemv_applies(bf16(8, 1024), bf16(4096, 1024)) == CPU_HAS_AMX
     assert not kernels.amx_gemv_applies(bf16(8, 1024), bf16(37, 1024))  # rows: not 16s
     assert not kernels.amx_gemv_applies(bf16(8, 1000), bf16(64, 1000))  # k: not 32s
-    assert not kernels.amx_gemv_applies(bf16(17, 1024), bf16(64, 1024))  # > 16 tokens
+    assert kernels.amx_gemv_applies(bf16(80, 1024), bf16(64, 1024)) == CPU_HAS_AMX
+    assert not kernels.amx_gemv_applies(bf16(81, 1024), bf16(64, 1024))  # > 80 tokens
+    assert kernels.bf16_gemv_max_rows() == (80 if CPU_HAS_AMX else 16)
 
 
 @needs_amx
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (80, 1024), (1024, 3072)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16])
+# 17-80: two to five groups of 16 tokens, the last one partial or whole.
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 31, 32, 33, 48, 63, 64, 65, 79, 80])
 def test_it_is_the_float32_product_rounded_once(kernels, out_features, in_features, rows):
     torch.manual_seed(rows)
     weight, x = bf16(out_features, in_features), bf16(rows, in_features)
@@ -36,26 +40,28 @@ def test_it_is_the_float32_product_rounded_once(kernels, out_features, in_featur
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [8, 16])  # 16: one pass on the tiles, not two vector passes
+@pytest.mark.parametrize("rows", [8, 16, 40, 80])  # one pass on the tiles, not vector passes
 def test_bf16_gemv_multiplies_whole_tiles_there(kernels, rows):
     weight, x = bf16(4096, 1024), bf16(rows, 1024)
     assert torch.equal(kernels.bf16_gemv(x, weight), kernels.amx_bf16_gemv(x, weight))
 
 
 @needs_amx
-def test_a_nan_or_an_infinity_reaches_its_tokens_outputs_only(kernels):
-    weight, x = bf16(64, 64), bf16(3, 64)
-    x[0, 5], x[2, 9] = float("nan"), float("inf")
+@pytest.mark.parametrize("rows", [3, 35])  # one group of tokens; three (the NaN's is the first)
+def test_a_nan_or_an_infinity_reaches_its_tokens_outputs_only(kernels, rows):
+    weight, x = bf16(64, 64), bf16(rows, 64)
+    x[0, 5], x[rows - 1, 9] = float("nan"), float("inf")
     out = kernels.amx_bf16_gemv(x, weight).float()
-    assert out[0].isnan().all() and out[1].isfinite().all()
+    assert out[0].isnan().all() and out[1 : rows - 1].isfinite().all()
     expected = x.float() @ weight.float().T  # +-inf, or NaN where a weight is 0
-    assert torch.equal(out[2].isinf(), expected[2].isinf())
+    assert torch.equal(out[rows - 1].isinf(), expected[rows - 1].isinf())
 
 
 @needs_amx
-def test_strided_tokens_and_any_thread_count_give_the_same_outputs(kernels):
+@pytest.mark.parametrize("rows", [4, 37])  # one group of tokens; three
+def test_strided_tokens_and_any_thread_count_give_the_same_outputs(kernels, rows):
     weight = bf16(16 * 5, 256)  # five blocks: two threads take two and three
-    wide = bf16(4, 512)
+    wide = bf16(rows, 512)
     x = wide[:, ::2]  # not contiguous
     threads = torch.get_num_threads()
     try:
@@ -74,6 +80,7 @@ def test_it_refuses_what_it_does_not_multiply(kernels):
         (bf16(2, 64), bf16(32, 96)),  # k differs
         (bf16(2, 64), bf16(64, 32).T),  # a strided weight
         (bf16(2, 64), torch.randn(32, 64)),  # a float32 weight
+        (bf16(81, 64), bf16(32, 64)),  # more tokens than five tiles' columns
     ]
     for x, weight in refused:
         assert not kernels.amx_gemv_applies(x, weight)

@@ -18,9 +18,10 @@ def test_it_is_vectorized_where_the_cpu_has_bf16_dot_or_avx2_fma_instructions(ke
 # in_features: a multiple of every step (AVX-512: 32 weights per dot, AVX2: 16), one with a
 # tail past both (1000 = 62 * 16 + 8), one shorter than an unrolled step (40), one shorter
 # than any vector (7: all tail).
-# rows: 1-8 in one vector pass, 9-16 in two (37 weight rows: a shape AMX's tiles do not take).
+# rows: 1-8 in one vector pass, 9-16 in two, 17-80 in up to ten (37 weight rows: a shape AMX's
+# tiles do not take).
 @pytest.mark.parametrize("in_features", [1024, 1000, 40, 7])
-@pytest.mark.parametrize("rows", [*range(1, 10), 12, 16])
+@pytest.mark.parametrize("rows", [*range(1, 10), 12, 16, 17, 80])
 def test_gemv_is_the_float32_product_rounded_once(kernels, in_features, rows):
     torch.manual_seed(rows)
     weight = torch.randn(37, in_features, dtype=torch.bfloat16)  # an odd number of rows
@@ -33,13 +34,13 @@ def test_gemv_is_the_float32_product_rounded_once(kernels, in_features, rows):
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=2**-7)
 
 
-def test_gemv_reads_strided_activations_and_refuses_seventeen_rows(kernels):
+def test_gemv_reads_strided_activations_and_refuses_eighty_one_rows(kernels):
     weight = torch.randn(16, 64, dtype=torch.bfloat16)
     wide = torch.randn(2, 128, dtype=torch.bfloat16)
     x = wide[:, ::2]  # not contiguous
     assert torch.equal(kernels.bf16_gemv(x, weight), kernels.bf16_gemv(x.contiguous(), weight))
-    with pytest.raises(RuntimeError, match="1 to 16 rows"):
-        kernels.bf16_gemv(torch.randn(17, 64, dtype=torch.bfloat16), weight)
+    with pytest.raises(RuntimeError, match="1 to 80 rows"):
+        kernels.bf16_gemv(torch.randn(81, 64, dtype=torch.bfloat16), weight)
     with pytest.raises(RuntimeError):
         kernels.bf16_gemv(torch.randn(1, 64), weight)  # float32 activations
 

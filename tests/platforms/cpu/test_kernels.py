@@ -268,13 +268,20 @@ def test_the_gemv_prefetch_distance_is_the_fastest_candidate(monkeypatch):
         kernels.set_gemv_prefetch(chosen)
 
 
+def test_the_gemv_is_timed_at_every_size_to_16_then_every_8th():
+    assert cpu_kernels.gemv_row_sizes(16) == list(range(1, 17))
+    assert cpu_kernels.gemv_row_sizes(80) == [*range(1, 17), 24, 32, 40, 48, 56, 64, 72, 80]
+    assert cpu_kernels.gemv_row_sizes(4) == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize(
     ("by_the_margin_up_to", "faster_up_to", "expected"),
     [
         (0, 3, 0),  # 5% faster at one token: not worth a second copy of the weights
         (1, 5, 5),  # worth it at one token, then it takes every size where it is faster
         (3, 3, 3),
-        (cpu_kernels.GEMV_MAX_CALL_ROWS,) * 3,
+        (1, 30, 24),  # faster at 24 tokens, slower at 32: 24 (and 17-23 with it)
+        (80, 80, 80),
     ],
 )
 def test_the_gemv_takes_the_sizes_where_it_beats_onednn(
@@ -284,6 +291,7 @@ def test_the_gemv_takes_the_sizes_where_it_beats_onednn(
     assert kernels is not None
     tuned = kernels.gemv_max_rows
     monkeypatch.setattr(cpu_kernels, "past_the_caches", lambda: 4 << 20)
+    monkeypatch.setattr(kernels, "bf16_gemv_max_rows", lambda: 80)  # as on AMX's tiles
     real = cpu_kernels.time_products
     seen: list[tuple[str, int]] = []
 
@@ -300,8 +308,9 @@ def test_the_gemv_takes_the_sizes_where_it_beats_onednn(
     try:
         assert cpu_kernels.tune_gemv_rows(kernels, rounds=1) == expected
         assert kernels.gemv_max_rows == expected
-        sizes = range(1, cpu_kernels.GEMV_MAX_CALL_ROWS + 1)
-        assert sorted(seen) == sorted((how, n) for how in ("gemv", "packed") for n in sizes)
+        sizes = cpu_kernels.gemv_row_sizes(80)
+        timed = sizes[: sizes.index(expected) + 2] if expected else [1]  # to the first loss
+        assert sorted(seen) == sorted((how, n) for how in ("gemv", "packed") for n in timed)
     finally:
         kernels.gemv_max_rows = tuned
 

@@ -8,7 +8,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[N, K] int8 weight -> [N/64, K/2, 64, 2] blocks of 64 rows where int8_gemv multiplies "
         "them here (AVX512-BW; N % 64 == 0, K even), else None");
   m.def("bf16_gemv", &bf16_gemv,
-        "[M, K] bf16 x [N, K] bf16 weight, or as bf16_gemv_weight lays it out -> [M, N] (M <= 16)");
+        "[M, K] bf16 x [N, K] bf16 weight, or as bf16_gemv_weight lays it out -> [M, N] (M <= 80)");
+  m.def("bf16_gemv_max_rows", &bf16_gemv_max_rows,
+        "up to how many tokens bf16_gemv streams a weight once here (80 on AMX tiles, else 16)");
   m.def("bf16_gemv_weight", &bf16_gemv_weight,
         "[N, K] bf16 weight -> the layout bf16_gemv reads fastest here (blocks of 64 rows where "
         "block_gemv_takes it, else the weight itself)");
@@ -18,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemv_takes", &block_gemv_takes,
         "(weight): does bf16_gemv_weight lay it out in blocks of 64 rows here?");
   m.def("amx_bf16_gemv", &amx_bf16_gemv,
-        "[M, K] bf16 x [N, K] bf16 weight -> [M, N] on AMX tiles (M <= 16, K % 32, N % 16)");
+        "[M, K] bf16 x [N, K] bf16 weight -> [M, N] on AMX tiles (M <= 80, K % 32, N % 16)");
   m.def("amx_gemv_applies", &amx_gemv_applies,
         "(x, weight): does bf16_gemv multiply these on AMX tiles here?");
   m.def("moe_bf16_gemv", &moe_bf16_gemv,

@@ -417,9 +417,13 @@ bool bf16_gemv_is_vectorized() {
 }
 
 // The most tokens one vector GEMV pass takes (with_rows), and one bf16_gemv call (AMX's tiles
-// multiply 16 tokens in one pass; elsewhere two vector passes).
+// multiply up to 80 tokens in one pass; elsewhere vector passes of 8).
 constexpr int64_t VECTOR_GEMV_ROWS = 8;
-constexpr int64_t MOST_GEMV_ROWS = 16;
+constexpr int64_t MOST_GEMV_ROWS = 80;
+
+// Up to how many tokens bf16_gemv streams a weight once: AMX's tiles take 80 where the CPU has
+// them (and the weight is whole tiles), the vector GEMV 16 in two passes.
+int64_t bf16_gemv_max_rows() { return std::max<int64_t>(2 * VECTOR_GEMV_ROWS, amx_gemv_max_rows()); }
 
 // bf16_gemv's vector path for M <= 8 (AVX512-BF16 or AVX2, or the bf16 blocks).
 static at::Tensor vector_bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
@@ -442,17 +446,20 @@ static at::Tensor vector_bf16_gemv(const at::Tensor& x, const at::Tensor& weight
   return out;
 }
 
-// x [M, K] bf16 (M <= 16), weight [N, K] bf16, or as bf16_gemv_weight lays it out (block_gemv.cpp)
-// -> [M, N] bf16 (float32 sums, rounded once). Up to 16 tokens stream the weight once where
-// AMX's tiles take it (amx_gemv.cpp); elsewhere the vector GEMV takes 8 tokens a pass.
+// x [M, K] bf16 (M <= 80), weight [N, K] bf16, or as bf16_gemv_weight lays it out
+// (block_gemv.cpp) -> [M, N] bf16 (float32 sums, rounded once). Up to 80 tokens stream the
+// weight once where AMX's tiles take it (amx_gemv.cpp); elsewhere the vector GEMV takes 8 tokens
+// a pass (past bf16_gemv_max_rows, one stream of the weight per pass: correct, not fast).
 at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(x.dim() == 2, "x [M, K]");
   const int64_t M = x.size(0);
-  TORCH_CHECK(M >= 1 && M <= MOST_GEMV_ROWS, "the bf16 decode GEMV takes 1 to 16 rows, got ", M);
+  TORCH_CHECK(M >= 1 && M <= MOST_GEMV_ROWS, "the bf16 decode GEMV takes 1 to 80 rows, got ", M);
   if (amx_gemv_applies(x, weight)) return amx_bf16_gemv(x, weight);  // tiles (amx_gemv.cpp)
   if (M <= VECTOR_GEMV_ROWS) return vector_bf16_gemv(x, weight);
-  return at::cat({vector_bf16_gemv(x.narrow(0, 0, VECTOR_GEMV_ROWS), weight),
-                  vector_bf16_gemv(x.narrow(0, VECTOR_GEMV_ROWS, M - VECTOR_GEMV_ROWS), weight)});
+  std::vector<at::Tensor> passes;
+  for (int64_t first = 0; first < M; first += VECTOR_GEMV_ROWS)
+    passes.push_back(vector_bf16_gemv(x.narrow(0, first, std::min(VECTOR_GEMV_ROWS, M - first)), weight));
+  return at::cat(passes);
 }
 
 // ---------------------------------------------------------------------------------------------

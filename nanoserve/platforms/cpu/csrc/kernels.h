@@ -26,6 +26,7 @@ void with_rows(int64_t M, const Body& body) {
 at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales);
 at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight);
 bool bf16_gemv_is_vectorized();
+int64_t bf16_gemv_max_rows();
 at::Tensor moe_bf16_gemv(at::Tensor x, at::Tensor weight, at::Tensor expert_ids,
                          at::Tensor offsets);
 at::Tensor moe_int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales, at::Tensor expert_ids,
@@ -46,6 +47,7 @@ void block_int8_gemv(const at::Tensor& x16, const float* x_scales, const at::Ten
 bool amx_gemv_takes(const at::Tensor& weight);
 bool amx_gemv_applies(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor amx_bf16_gemv(const at::Tensor& x, const at::Tensor& weight);
+int64_t amx_gemv_max_rows();
 
 // decode_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
