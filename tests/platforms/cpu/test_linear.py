@@ -99,7 +99,8 @@ def test_decode_steps_stream_the_gemvs_copy_of_the_weight(bias, in_features, out
     assert layer.gemv_weight.shape == layout(weight).shape
     kernels = load_cpu_kernels()
     blocked = kernels is not None and kernels.block_gemv_takes(weight)
-    assert layer.gemv_weight.dim() == (4 if blocked else 2)
+    tiled = kernels is not None and kernels.amx_gemv_takes(weight)
+    assert layer.gemv_weight.dim() == (5 if tiled else 4 if blocked else 2)
     for num_tokens in (1, GEMV_ROWS, GEMV_ROWS + 1, 17):
         x = torch.randn(num_tokens, in_features, dtype=torch.bfloat16)
         expected = F.linear(x, weight, bias_values)

@@ -12,17 +12,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemv_max_rows", &bf16_gemv_max_rows,
         "up to how many tokens bf16_gemv streams a weight once here (80 on AMX tiles, else 16)");
   m.def("bf16_gemv_weight", &bf16_gemv_weight,
-        "[N, K] bf16 weight -> the layout bf16_gemv reads fastest here (blocks of 64 rows where "
-        "block_gemv_takes it, else the weight itself)");
+        "[N, K] bf16 weight -> the layout bf16_gemv reads fastest here (AMX's tiles where "
+        "amx_gemv_takes it, blocks of 64 rows where block_gemv_takes it, else the weight itself)");
   m.def("bf16_blocks", &bf16_blocks,
         "[N, K] bf16 weight (N % 64 == 0, K even) -> [N/64, K/2, 64, 2]: blocks of 64 rows, "
         "each k pair's 64 rows side by side (what bf16_gemv multiplies on AVX-512 BF16)");
   m.def("block_gemv_takes", &block_gemv_takes,
         "(weight): does bf16_gemv_weight lay it out in blocks of 64 rows here?");
+  m.def("amx_gemv_layout", &amx_gemv_layout,
+        "[N, K] bf16 weight (K % 32, N % 16) -> [N/16, K/32, 16, 16, 2]: tiles of 16 outputs by "
+        "32 k in AMX's pair order, one KiB each (what bf16_gemv multiplies on AMX's tiles)");
   m.def("amx_bf16_gemv", &amx_bf16_gemv,
-        "[M, K] bf16 x [N, K] bf16 weight -> [M, N] on AMX tiles (M <= 80, K % 32, N % 16)");
+        "([M, K] bf16, a weight as amx_gemv_layout lays it out, prefetch bytes) -> [M, N] on "
+        "AMX tiles (M <= 80)",
+        pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("ahead") = 0);
+  m.def("amx_gemv_takes", &amx_gemv_takes,
+        "(weight): does amx_gemv_layout take this plain weight here (AMX, whole tiles)?");
   m.def("amx_gemv_applies", &amx_gemv_applies,
-        "(x, weight): does bf16_gemv multiply these on AMX tiles here?");
+        "(x, tiles): does bf16_gemv multiply these on AMX tiles here?");
   m.def("moe_bf16_gemv", &moe_bf16_gemv,
         "[A, K] bf16 rows grouped by expert x [E, N, K] bf16 experts -> [A, N]");
   m.def("moe_int8_gemv", &moe_int8_gemv,

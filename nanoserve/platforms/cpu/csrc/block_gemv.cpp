@@ -196,7 +196,7 @@ void block_int8_gemv(const at::Tensor& x16, const float* x_scales, const at::Ten
 }
 
 // Does bf16_gemv_weight lay `weight` out in blocks here? Where the library has AVX-512 BF16, the
-// weight fits them, and AMX's tiles do not take it instead (they read the plain weight).
+// weight fits them, and AMX's tiles do not take it instead (in their own layout).
 bool block_gemv_takes(const at::Tensor& weight) {
 #ifdef __AVX512BF16__
   return fits_blocks(weight, at::kBFloat16) && !amx_gemv_takes(weight);
@@ -205,9 +205,10 @@ bool block_gemv_takes(const at::Tensor& weight) {
 #endif
 }
 
-// The weight as bf16_gemv reads it fastest here: its blocks where block_gemv_takes it, else the
-// weight itself.
+// The weight as bf16_gemv reads it fastest here: AMX's tiles where amx_gemv_takes it
+// (amx_gemv.cpp), its blocks where block_gemv_takes it, else the weight itself.
 at::Tensor bf16_gemv_weight(at::Tensor weight) {
+  if (amx_gemv_takes(weight)) return amx_gemv_layout(weight);
   return block_gemv_takes(weight) ? bf16_blocks(weight) : weight;
 }
 

@@ -428,7 +428,8 @@ int64_t bf16_gemv_max_rows() { return std::max<int64_t>(2 * VECTOR_GEMV_ROWS, am
 // bf16_gemv's vector path for M <= 8 (AVX512-BF16 or AVX2, or the bf16 blocks).
 static at::Tensor vector_bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
   if (weight.dim() == 4) return block_bf16_gemv(x, weight, prefetch_bytes.load());  // block_gemv
-  TORCH_CHECK(weight.dim() == 2 && x.size(1) == weight.size(1));
+  TORCH_CHECK(weight.dim() == 2, "bf16_gemv takes the weight plain or as bf16_gemv_weight lays it out");
+  TORCH_CHECK(x.size(1) == weight.size(1));
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16);
   TORCH_CHECK(weight.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
@@ -446,15 +447,16 @@ static at::Tensor vector_bf16_gemv(const at::Tensor& x, const at::Tensor& weight
   return out;
 }
 
-// x [M, K] bf16 (M <= 80), weight [N, K] bf16, or as bf16_gemv_weight lays it out
-// (block_gemv.cpp) -> [M, N] bf16 (float32 sums, rounded once). Up to 80 tokens stream the
-// weight once where AMX's tiles take it (amx_gemv.cpp); elsewhere the vector GEMV takes 8 tokens
-// a pass (past bf16_gemv_max_rows, one stream of the weight per pass: correct, not fast).
+// x [M, K] bf16 (M <= 80), weight [N, K] bf16, or as bf16_gemv_weight lays it out (AMX's tiles:
+// amx_gemv.cpp; blocks of 64 rows: block_gemv.cpp) -> [M, N] bf16 (float32 sums, rounded
+// once). Up to 80 tokens stream the weight once on AMX's tiles; elsewhere the vector GEMV takes
+// 8 tokens a pass (past bf16_gemv_max_rows, one stream of the weight per pass: correct, not
+// fast).
 at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(x.dim() == 2, "x [M, K]");
   const int64_t M = x.size(0);
   TORCH_CHECK(M >= 1 && M <= MOST_GEMV_ROWS, "the bf16 decode GEMV takes 1 to 80 rows, got ", M);
-  if (amx_gemv_applies(x, weight)) return amx_bf16_gemv(x, weight);  // tiles (amx_gemv.cpp)
+  if (amx_gemv_applies(x, weight)) return amx_bf16_gemv(x, weight, prefetch_bytes.load());
   if (M <= VECTOR_GEMV_ROWS) return vector_bf16_gemv(x, weight);
   std::vector<at::Tensor> passes;
   for (int64_t first = 0; first < M; first += VECTOR_GEMV_ROWS)

@@ -45,8 +45,9 @@ void block_int8_gemv(const at::Tensor& x16, const float* x_scales, const at::Ten
 
 // amx_gemv.cpp
 bool amx_gemv_takes(const at::Tensor& weight);
-bool amx_gemv_applies(const at::Tensor& x, const at::Tensor& weight);
-at::Tensor amx_bf16_gemv(const at::Tensor& x, const at::Tensor& weight);
+bool amx_gemv_applies(const at::Tensor& x, const at::Tensor& tiles);
+at::Tensor amx_gemv_layout(const at::Tensor& weight);
+at::Tensor amx_bf16_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t ahead);
 int64_t amx_gemv_max_rows();
 
 // decode_attention.cpp
