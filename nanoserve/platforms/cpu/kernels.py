@@ -1,9 +1,10 @@
 """nanoserve's C++ kernels for CPU (`platforms/cpu/csrc/*.cpp`), built once per install.
 
     int8_gemv               int8 weight-only products of decode steps (quantization/int8.py)
-    bf16_gemv               bf16 products of decode steps (linear.py), from the weight as
+    bf16_gemv               bf16 products of a few tokens (linear.py), from the weight as
                             bf16_gemv_weight lays it out: in blocks of 64 rows on AVX-512 BF16
-                            (block_gemv.cpp), plain on AMX's tile units (amx_bf16_gemv)
+                            (block_gemv.cpp), in AMX's tiles where the CPU has them
+                            (amx_gemv.cpp: up to 80 tokens a pass)
     paged_decode_attention  decode steps' attention, read in place from the paged KV cache
                             (attention.py)
     rms_norm                RMSNorm in one pass per row (fused_ops.py)

@@ -7,10 +7,11 @@ cheaper at every batch size, with bit-identical results (benchmarks/RESULTS.md, 
 Decode steps of a few tokens are bound by how fast the weights stream from memory. On many
 CPUs oneDNN's product streams them slower than our compiled GEMV (see `cpu_kernels`), which
 reads its own copy of the weight, laid out as it reads it fastest (`bf16_gemv_weight`: in
-blocks of 64 rows on AVX-512 BF16, `csrc/block_gemv.cpp`; plain on AMX's tile units,
+blocks of 64 rows on AVX-512 BF16, `csrc/block_gemv.cpp`; in AMX's tiles where the CPU has them,
 `csrc/amx_gemv.cpp`). The kernels' build times both (`gemv_max_rows`: up to how many tokens the
 GEMV is faster). Where it is, each layer keeps that copy (`layer.gemv_weight`) beside the packed
-one: decode steps of up to that many tokens read it, prefills and larger batches the packed one
+one: products of up to that many tokens read it (decode steps, verify steps, short prompts),
+longer prompts and larger batches the packed one
 (so the linear weights take twice their memory; a tied LM head's embedding reads the GEMV's
 copy, `tied_embedding.py`). Where it is not, only the packed weight is kept.
 
