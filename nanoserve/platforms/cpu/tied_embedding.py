@@ -13,7 +13,7 @@ GEMV's copy instead (the same values, bit for bit) and the plain copy is dropped
   `i // 16`'s column `i % 16` of every tile.
 
 A lookup touches a row's pairs scattered over its block instead of one line after another:
-microseconds for a decode step's tokens.
+microseconds for a decode step's tokens, about a millisecond for a 1,500-token prompt.
 """
 
 from __future__ import annotations
@@ -43,18 +43,26 @@ def layout_shape(vocab: int, hidden: int, dims: int) -> tuple[int, ...] | None:
 
 class GemvRowsEmbedding(nn.Module):
     """Token embeddings gathered from a [vocab, hidden] matrix in one of the GEMV's layouts
-    (`layout`: blocks of 64 rows or AMX's tiles, held by the LM head, not copied)."""
+    (`layout`: blocks of 64 rows or AMX's tiles, held by the LM head, not copied).
+
+    Both layouts keep each row's (k, k + 1) pairs whole: seen as 32-bit words and with the
+    row-within-block dimension moved next to the block (a view), a token's row is one index
+    pair, [i // rows, i % rows], whose words come out in k order."""
 
     def __init__(self, layout: torch.Tensor) -> None:
         super().__init__()
         self.layout = layout
+        self.rows_per_block = BLOCK_ROWS if layout.dim() == 4 else TILE_ROWS
+        words = layout.view(torch.int32).squeeze(-1)  # the pairs as words
+        if layout.dim() == 4:  # [vocab/64, hidden/2, 64] -> [vocab/64, 64, hidden/2]
+            self.words_by_row = words.permute(0, 2, 1)
+        else:  # [vocab/16, hidden/32, 16, 16] -> [vocab/16, 16, hidden/32, 16]
+            self.words_by_row = words.permute(0, 3, 1, 2)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        if self.layout.dim() == 4:  # [vocab/64, hidden/2, 64, 2] -> [T, hidden/2, 2]
-            rows = self.layout[input_ids // BLOCK_ROWS, :, input_ids % BLOCK_ROWS]
-        else:  # [vocab/16, hidden/32, 16, 16, 2] -> [T, hidden/32, 16, 2]
-            rows = self.layout[input_ids // TILE_ROWS, :, :, input_ids % TILE_ROWS]
-        return rows.reshape(input_ids.shape[0], -1)
+        block, row = input_ids // self.rows_per_block, input_ids % self.rows_per_block
+        words = self.words_by_row[block, row]  # [T, hidden/2 words, in k order]
+        return words.reshape(input_ids.shape[0], -1).view(self.layout.dtype)
 
 
 def tied_gemv_layout(embedding: object, head: object) -> torch.Tensor | None:
