@@ -90,12 +90,13 @@ RECORD = "built.json"
 PREFETCH_CANDIDATES = (0, 2048, 4096, 8192)
 TUNING_BYTES = 128 << 20  # the least weight bytes a timing streams (past_the_caches)
 # Raised when what is timed at build changes, so that every install times its build again.
-TUNING_VERSION = 6
+TUNING_VERSION = 7
 # The most rows one bf16_gemv call takes: up to 80 stream a weight once on AMX's tiles
 # (`bf16_gemv_max_rows()`: 16 elsewhere, in two passes of 8). The build times every size up to
-# 16, then every 8th, and stops at the first the GEMV loses (`gemv_row_sizes`).
+# 16, then every 8th (`gemv_row_sizes`), until the GEMV loses twice in a row.
 GEMV_MAX_CALL_ROWS = 80
 GEMV_ROW_STEP = 8  # past 16 tokens, the sizes timed
+LOSSES_TO_STOP = 2  # timed sizes in a row at which oneDNN wins that end the GEMV's range
 # One decoder layer's weights ([out, in]: qkv, o, gate_up, down of the Qwen3-0.6B shape), the
 # products the GEMV and oneDNN are timed on.
 TUNING_LAYER = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
@@ -338,8 +339,9 @@ def tune_gemv_rows(module: ModuleType, rounds: int = 3) -> int:
     """The most tokens (up to `bf16_gemv_max_rows()`) for which the bf16 GEMV multiplies by a
     layer's weights; 0 unless it is at least GEMV_MARGIN faster than oneDNN's packed product at
     one token (then no linear keeps its plain weight beside the packed one). Where it is, it
-    takes each further size (`gemv_row_sizes`) while it stays faster, and stops timing at the
-    first it loses (the plain copy is kept either way). Timed on TUNING_LAYER's shapes, repeated
+    takes each further size (`gemv_row_sizes`) up to the last where it is faster, and stops
+    timing once it loses at LOSSES_TO_STOP sizes in a row (one slow timing on a noisy machine
+    does not end it; the plain copy is kept either way). Timed on TUNING_LAYER's shapes, repeated
     past the last-level cache (a model's weights do not fit in it: what comes from memory is
     what counts); where oneDNN cannot pack bf16, `bf16_gemv_max_rows()`. Sets and returns it."""
     most_rows = int(module.bf16_gemv_max_rows())
@@ -350,7 +352,7 @@ def tune_gemv_rows(module: ModuleType, rounds: int = 3) -> int:
         module.gemv_max_rows = most_rows  # type: ignore[attr-defined]
         return most_rows
     weights = [module.bf16_gemv_weight(w) for w in weights]  # as the GEMV reads them
-    chosen, timings = 0, []
+    chosen, losses, timings = 0, 0, []
     for num_rows in gemv_row_sizes(most_rows):
         best = {"gemv": math.inf, "packed": math.inf}
         for _ in range(rounds):  # the two alternate, so that a noisy machine shifts both
@@ -358,9 +360,10 @@ def tune_gemv_rows(module: ModuleType, rounds: int = 3) -> int:
                 best[how] = min(best[how], time_products(module, how, num_rows, weights, packed))
         timings.append(f"{num_rows}: {best['gemv'] * 1e3:.1f}/{best['packed'] * 1e3:.1f} ms")
         margin = GEMV_MARGIN if num_rows == 1 else 0.0
-        if best["gemv"] >= (1 - margin) * best["packed"]:
-            break
-        chosen = num_rows
+        if best["gemv"] < (1 - margin) * best["packed"]:
+            chosen, losses = num_rows, 0
+        elif num_rows == 1 or (losses := losses + 1) == LOSSES_TO_STOP:
+            break  # not worth a second copy at one token; or plainly slower from here on
     logger.info(
         "products of up to %d tokens by the GEMV (GEMV/oneDNN: %s)", chosen, ", ".join(timings)
     )

@@ -49,13 +49,12 @@ bool is_tile_layout(const at::Tensor& tiles) {
 
 #ifdef NANOSERVE_AMX
 
-// The tiles (the intrinsics take their numbers as literals): 0 .. groups - 1 the float32 sums
-// [rows tokens, 16 outputs] of each token group, 6 a weight tile [16 pairs, 16 outputs x 2], 5
-// and 7 a token group's [rows tokens, 32 k]. rows: M for one group, else 16.
-void configure_tiles(int groups, int64_t rows) {
+// The tiles (the intrinsics take their numbers as literals): 0 .. 4 the float32 sums [rows
+// tokens, 16 outputs] of each token group, 6 a weight tile [16 pairs, 16 outputs x 2], 5 and 7
+// a token group's [rows tokens, 32 k]. rows: M for one group, else 16.
+void configure_tiles(int64_t rows) {
   amx::TileConfig config;
   for (const int tile : {0, 1, 2, 3, 4, 5, 7}) config.rows[tile] = rows;
-  for (int tile = groups; tile < MOST_GROUPS; ++tile) config.rows[tile] = 16;  // unused sums
   config.load();
 }
 
@@ -134,7 +133,7 @@ void products_of_blocks(const bf16* tiles, const bf16* tokens, int64_t K, int64_
                         int64_t rows, int64_t N, int64_t ahead, int64_t first, int64_t last,
                         bf16* out) {
   alignas(64) float sums[GROUPS * GROUP_TOKENS * BLOCK_ROWS];
-  configure_tiles(GROUPS, rows);
+  configure_tiles(rows);
   for (int64_t block = first; block < last; ++block) {
     block_products<GROUPS>(tiles + block * BLOCK_ROWS * K, tokens, K, ahead, sums);
     for (int64_t m = 0; m < M; ++m)

@@ -423,12 +423,14 @@ constexpr int64_t MOST_GEMV_ROWS = 80;
 
 // Up to how many tokens bf16_gemv streams a weight once: AMX's tiles take 80 where the CPU has
 // them (and the weight is whole tiles), the vector GEMV 16 in two passes.
-int64_t bf16_gemv_max_rows() { return std::max<int64_t>(2 * VECTOR_GEMV_ROWS, amx_gemv_max_rows()); }
+int64_t bf16_gemv_max_rows() {
+  return std::max<int64_t>(2 * VECTOR_GEMV_ROWS, amx_gemv_max_rows());
+}
 
 // bf16_gemv's vector path for M <= 8 (AVX512-BF16 or AVX2, or the bf16 blocks).
 static at::Tensor vector_bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
   if (weight.dim() == 4) return block_bf16_gemv(x, weight, prefetch_bytes.load());  // block_gemv
-  TORCH_CHECK(weight.dim() == 2, "bf16_gemv takes the weight plain or as bf16_gemv_weight lays it out");
+  TORCH_CHECK(weight.dim() == 2, "bf16_gemv takes a plain weight or bf16_gemv_weight's layout");
   TORCH_CHECK(x.size(1) == weight.size(1));
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16);
   TORCH_CHECK(weight.is_contiguous());
@@ -459,8 +461,10 @@ at::Tensor bf16_gemv(at::Tensor x, at::Tensor weight) {
   if (amx_gemv_applies(x, weight)) return amx_bf16_gemv(x, weight, prefetch_bytes.load());
   if (M <= VECTOR_GEMV_ROWS) return vector_bf16_gemv(x, weight);
   std::vector<at::Tensor> passes;
-  for (int64_t first = 0; first < M; first += VECTOR_GEMV_ROWS)
-    passes.push_back(vector_bf16_gemv(x.narrow(0, first, std::min(VECTOR_GEMV_ROWS, M - first)), weight));
+  for (int64_t first = 0; first < M; first += VECTOR_GEMV_ROWS) {
+    const int64_t rows = std::min(VECTOR_GEMV_ROWS, M - first);
+    passes.push_back(vector_bf16_gemv(x.narrow(0, first, rows), weight));
+  }
   return at::cat(passes);
 }
 
