@@ -41,13 +41,13 @@ constexpr int64_t GROUP_TOKENS = 16;  // a token tile's rows
 constexpr int MOST_GROUPS = 5;  // tiles of sums beside the weight's tile and two token tiles
 constexpr int64_t MOST_TOKENS = GROUP_TOKENS * MOST_GROUPS;
 
+#ifdef NANOSERVE_AMX
+
 // Is `tiles` a weight as amx_gemv_layout lays it out ([N/16, K/32, 16, 16, 2] bf16)?
 bool is_tile_layout(const at::Tensor& tiles) {
   return tiles.dim() == 5 && tiles.size(2) == BLOCK_ROWS && tiles.size(3) == BLOCK_ROWS &&
          tiles.size(4) == 2 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous();
 }
-
-#ifdef NANOSERVE_AMX
 
 // The tiles (the intrinsics take their numbers as literals): 0 .. 4 the float32 sums [rows
 // tokens, 16 outputs] of each token group, 6 a weight tile [16 pairs, 16 outputs x 2], 5 and 7
@@ -80,10 +80,12 @@ template <int G>
 inline void zero_or_store(bool store, float* sums) {
   float* at = sums + G * GROUP_TOKENS * BLOCK_ROWS;
 #define NANOSERVE_ZERO_OR_STORE(TILE) \
-  if (store) {                        \
-    _tile_stored(TILE, at, 64);       \
-  } else {                            \
-    _tile_zero(TILE);                 \
+  {                                   \
+    if (store) {                      \
+      _tile_stored(TILE, at, 64);     \
+    } else {                          \
+      _tile_zero(TILE);               \
+    }                                 \
   }
   if constexpr (G == 0) NANOSERVE_ZERO_OR_STORE(0)
   if constexpr (G == 1) NANOSERVE_ZERO_OR_STORE(1)
