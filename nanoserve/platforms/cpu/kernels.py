@@ -91,10 +91,9 @@ PREFETCH_CANDIDATES = (0, 2048, 4096, 8192)
 TUNING_BYTES = 128 << 20  # the least weight bytes a timing streams (past_the_caches)
 # Raised when what is timed at build changes, so that every install times its build again.
 TUNING_VERSION = 7
-# The most rows one bf16_gemv call takes: up to 80 stream a weight once on AMX's tiles
-# (`bf16_gemv_max_rows()`: 16 elsewhere, in two passes of 8). The build times every size up to
-# 16, then every 8th (`gemv_row_sizes`), until the GEMV loses twice in a row.
-GEMV_MAX_CALL_ROWS = 80
+# Up to how many tokens bf16_gemv streams a weight once is the library's to say
+# (`bf16_gemv_max_rows()`: 80 on AMX's tiles, 16 elsewhere in two passes of 8). The build times
+# every size up to 16, then every 8th (`gemv_row_sizes`), until the GEMV loses twice in a row.
 GEMV_ROW_STEP = 8  # past 16 tokens, the sizes timed
 LOSSES_TO_STOP = 2  # timed sizes in a row at which oneDNN wins that end the GEMV's range
 # One decoder layer's weights ([out, in]: qkv, o, gate_up, down of the Qwen3-0.6B shape), the
