@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--threads must be ≥ 1, got {args.threads}")
     if args.rounds < 1:
         parser.error(f"--rounds must be ≥ 1, got {args.rounds}")
+    if not 0 <= args.random_range_ratio < 1:
+        parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if args.request_rate <= 0:
         parser.error(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
     try:
@@ -165,6 +167,12 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     sweep = p.add_argument_group("sweep")
     sweep.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated levels")
     sweep.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    sweep.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="prompt lengths drawn from input-len × [1 - r, 1 + r] (vLLM bench's flag)",
+    )
     sweep.add_argument("--output-len", type=int, default=128, help="output tokens (ignore_eos)")
     sweep.add_argument(
         "--num-prompts", type=int, default=None, help="per level (default max(8, 2×concurrency))"

@@ -192,6 +192,7 @@ def build_workloads(args: argparse.Namespace, maker: PromptMaker) -> list[Worklo
                 args.output_len,
                 args.num_prompts,
                 args.request_rate,
+                args.random_range_ratio,
             )
         elif name == "autocomplete":
             w = workloads.autocomplete(

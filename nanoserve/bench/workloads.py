@@ -102,11 +102,20 @@ def sweep(
     output_len: int,
     num_prompts: int | None,
     request_rate: float,
+    range_ratio: float = 0.0,
 ) -> Workload:
+    """Random prompts at each concurrency level: `input_len` tokens each, or, with a
+    `range_ratio` r (vLLM's bench's --random-range-ratio), lengths drawn uniformly from
+    [input_len (1 - r), input_len (1 + r)], as real traffic's lengths vary."""
     phases = []
+    lowest = round(input_len * (1 - range_ratio))
+    highest = round(input_len * (1 + range_ratio))
     for concurrency in concurrencies:
         count = num_prompts or max(8, 2 * concurrency)
-        prompts = [maker.random_text(input_len) for _ in range(count)]
+        lengths = [input_len] * count  # (no draw when fixed: the same prompts as before)
+        if range_ratio > 0:
+            lengths = [maker.rng.randint(max(1, lowest), highest) for _ in range(count)]
+        prompts = [maker.random_text(length) for length in lengths]
         phases.append(
             Phase(
                 f"c={concurrency}",
@@ -121,6 +130,7 @@ def sweep(
     params = {
         "concurrencies": concurrencies,
         "input_len": input_len,
+        "random_range_ratio": range_ratio,
         "output_len": output_len,
         "num_prompts_per_level": num_prompts or "max(8, 2 × concurrency)",
         "request_rate": request_rate,

@@ -34,6 +34,7 @@ def test_workloads_add_up_across_repeated_flags():
         (["--concurrency", "1,x"], "--concurrency must be comma-separated integers"),
         (["--concurrency", "0,2"], "--concurrency levels must be ≥ 1"),
         (["--rounds", "0"], "--rounds must be ≥ 1"),
+        (["--random-range-ratio", "1"], "--random-range-ratio must be in [0, 1)"),
         (["--request-rate", "0"], "--request-rate must be > 0"),
     ],
 )

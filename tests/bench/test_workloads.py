@@ -1,8 +1,22 @@
-"""Workloads: autocomplete's debounced typing, and per-round prompts pooled in order."""
+"""Workloads: autocomplete's debounced typing, per-round prompts pooled in order, the sweep's
+prompt lengths."""
 
 from __future__ import annotations
 
-from nanoserve.bench.workloads import Phase, Workload, autocomplete, for_round, pooled
+from pathlib import Path
+
+import nanoserve
+from nanoserve.bench.workloads import (
+    Phase,
+    PromptMaker,
+    Workload,
+    autocomplete,
+    for_round,
+    pooled,
+    sweep,
+)
+
+DEMO_MODEL = Path(nanoserve.__file__).parent / "assets" / "demo"  # its tokenizer
 
 
 def test_autocomplete_debounce_and_prefixes(tmp_path):
@@ -36,3 +50,14 @@ def test_rounds_salt_every_prompt_and_pool_in_order():
     merged = pooled(rounds).phases[0]
     assert merged.prompts == [p for w in rounds for p in w.phases[0].prompts]
     assert merged.groups == [0, 0, 1, 2, 2, 3, 4, 4, 5]
+
+
+def test_sweep_prompt_lengths_vary_within_the_range_ratio_as_vllm_bench_draws_them():
+    maker = PromptMaker(DEMO_MODEL, seed=0)
+    fixed = sweep(maker, [1], 60, 4, num_prompts=8, request_rate=float("inf"))
+    assert {maker.num_tokens(p) for p in fixed.phases[0].prompts} == {60}
+    varied = sweep(maker, [1], 60, 4, num_prompts=16, request_rate=float("inf"), range_ratio=0.5)
+    lengths = [maker.num_tokens(p) for p in varied.phases[0].prompts]
+    assert all(30 <= n <= 90 for n in lengths)
+    assert len(set(lengths)) > 4  # drawn, not one length
+    assert varied.params["random_range_ratio"] == 0.5
