@@ -222,8 +222,9 @@ class Server:
         if threads < (os.cpu_count() or threads):
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
         preload = vllm_preload(self.options.vllm_venv)
+        earlier = env.get("LD_PRELOAD")
         if preload:
-            env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
+            env["LD_PRELOAD"] = ":".join([*preload, earlier] if earlier else preload)
         description = {
             "server": f"vLLM ({VLLM_PACKAGE}, OpenAI api_server)",
             "mode": ("eager (--enforce-eager)" if eager else "default (torch.compile)")
@@ -337,8 +338,8 @@ def _signal_group(pgid: int, signum: int) -> None:
 
 
 def vllm_preload(venv: Path) -> list[str]:
-    """What vLLM's CPU guide has preloaded, as far as this machine has it: TCMalloc, then the
-    venv's Intel OpenMP."""
+    """The libraries vLLM's CPU guide asks to preload that this machine has: the system's
+    TCMalloc, then the venv's Intel OpenMP."""
     libraries = []
     tcmalloc = tcmalloc_library()
     if tcmalloc is not None:
