@@ -32,7 +32,13 @@ struct alignas(64) TileConfig {
   TileConfig() {
     for (int tile = 0; tile < 8; ++tile) bytes_per_row[tile] = 64, rows[tile] = 16;
   }
-  void load() const { _tile_loadconfig(this); }
+  // GCC 12 does not count _tile_loadconfig as reading the struct, and may drop the stores that
+  // fill it as dead (seen in a build where a caller's configure_tiles was not inlined: the tile
+  // unit then faults on the half-written config). The empty asm says the memory is read.
+  void load() const {
+    asm volatile("" : : "r"(this) : "memory");
+    _tile_loadconfig(this);
+  }
 };
 
 }  // namespace amx
