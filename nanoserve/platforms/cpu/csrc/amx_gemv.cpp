@@ -17,7 +17,8 @@
 // by every group's tile in turn, one tile of sums per group (up to 5 groups: 5 tiles of sums,
 // the weight's tile and two token tiles, so that one group's tokens load while the other's
 // product runs, make the 8 tile registers): the weight streams once for up to 80 tokens. Past
-// one group, a last partial group is padded to 16 rows with zeros.
+// one group, a last partial group takes the last 16 tokens, overlapping the group before it,
+// and keeps the sums of its own tokens only: nothing is copied or padded.
 //
 // Threads take equal runs of 16-output blocks, each streaming its own contiguous part of the
 // weight, one block after another.
@@ -96,12 +97,14 @@ inline void zero_or_store(bool store, float* sums) {
 }
 
 // Multiplies the weight tile (tile 6) by token groups G .. GROUPS - 1, each group's tile loaded
-// in turn from `tokens_k` (the tokens' columns k .. k + 31; groups 16 token rows apart).
+// in turn from `tokens_k` (the tokens' columns k .. k + 31, rows K apart): group g's first
+// token is 16 g, the last group's `last_row`.
 template <int G, int GROUPS>
-inline void multiply_groups(const bf16* tokens_k, int64_t group_stride, int64_t stride) {
+inline void multiply_groups(const bf16* tokens_k, int64_t K, int64_t last_row) {
   if constexpr (G < GROUPS) {
-    load_and_multiply<G>(tokens_k + G * group_stride, stride);
-    multiply_groups<G + 1, GROUPS>(tokens_k, group_stride, stride);
+    const int64_t first = G == GROUPS - 1 ? last_row : G * GROUP_TOKENS;
+    load_and_multiply<G>(tokens_k + first * K, K * 2);
+    multiply_groups<G + 1, GROUPS>(tokens_k, K, last_row);
   }
 }
 
@@ -113,33 +116,45 @@ inline void zero_and_store_groups(bool store, float* sums) {
   }
 }
 
+// Asks for the weight tile at `at` (16 lines) in L2. Every line, not one per tile: the tile
+// loads then find the weight in L2, and L1 keeps the token tiles that every weight tile meets
+// (prefetched into L1, or one line a tile, the products of 16 tokens and more ran slower).
+inline void prefetch_tile_to_l2(const char* at) {
+  for (int line = 0; line < 16; ++line) _mm_prefetch(at + line * 64, _MM_HINT_T1);
+}
+
 // sums[g][m * 16 + r] = dot(token m of group g, weight row r of the block) for the block's K/32
-// tiles at `block` (1 KiB each, in a row), the tokens [., K] bf16 (rows K apart).
+// tiles at `block` (1 KiB each, in a row), the tokens [M, K] bf16, the last group from
+// `last_row` on.
 template <int GROUPS>
-void block_products(const bf16* block, const bf16* tokens, int64_t K, int64_t ahead,
-                    float* sums) {
+void block_products(const bf16* block, const bf16* tokens, int64_t K, int64_t last_row,
+                    int64_t ahead, float* sums) {
   const char* stream = reinterpret_cast<const char*>(block);
   zero_and_store_groups<0, GROUPS>(false, sums);
   for (int64_t k = 0, tile = 0; k < K; k += TILE_K, ++tile) {
-    if (ahead > 0) _mm_prefetch(stream + tile * TILE_ELEMS * 2 + ahead, _MM_HINT_T0);
+    if (ahead > 0) prefetch_tile_to_l2(stream + tile * TILE_ELEMS * 2 + ahead);
     _tile_loadd(6, block + tile * TILE_ELEMS, 64);
-    multiply_groups<0, GROUPS>(tokens + k, GROUP_TOKENS * K, K * 2);
+    multiply_groups<0, GROUPS>(tokens + k, K, last_row);
   }
   zero_and_store_groups<0, GROUPS>(true, sums);
 }
 
-// Weight blocks [first, last) times the tokens (M of them, GROUPS groups of `rows`) into out:
-// one thread's share. Each token's 16 sums of a block are rounded to bf16 as PyTorch rounds.
+// Weight blocks [first, last) times the tokens (M of them, GROUPS groups of `rows`, the last
+// from row M - rows on) into out: one thread's share. Each token's 16 sums of a block are
+// rounded to bf16 as PyTorch rounds.
 template <int GROUPS>
 void products_of_blocks(const bf16* tiles, const bf16* tokens, int64_t K, int64_t M,
                         int64_t rows, int64_t N, int64_t ahead, int64_t first, int64_t last,
                         bf16* out) {
   alignas(64) float sums[GROUPS * GROUP_TOKENS * BLOCK_ROWS];
+  const int64_t last_row = M - rows, last_group = (GROUPS - 1) * GROUP_TOKENS;
   configure_tiles(rows);
   for (int64_t block = first; block < last; ++block) {
-    block_products<GROUPS>(tiles + block * BLOCK_ROWS * K, tokens, K, ahead, sums);
-    for (int64_t m = 0; m < M; ++m)
-      store16(out + m * N + block * BLOCK_ROWS, _mm512_load_ps(sums + m * BLOCK_ROWS));
+    block_products<GROUPS>(tiles + block * BLOCK_ROWS * K, tokens, K, last_row, ahead, sums);
+    for (int64_t m = 0; m < M; ++m) {  // the last group's row of token m: m - last_row
+      const int64_t row = m < last_group ? m : last_group + m - last_row;
+      store16(out + m * N + block * BLOCK_ROWS, _mm512_load_ps(sums + row * BLOCK_ROWS));
+    }
   }
   _tile_release();
 }
@@ -211,9 +226,7 @@ at::Tensor amx_bf16_gemv(const at::Tensor& x, const at::Tensor& tiles, int64_t a
   const int64_t M = x.size(0), K = x.size(1), N = tiles.size(0) * BLOCK_ROWS;
   const int groups = static_cast<int>((M + GROUP_TOKENS - 1) / GROUP_TOKENS);
   const int64_t rows = groups == 1 ? M : GROUP_TOKENS;
-  at::Tensor tokens = x.contiguous();
-  if (groups * rows != M)  // a partial last group: zero rows to fill its tile
-    tokens = at::cat({tokens, at::zeros({groups * rows - M, K}, x.options())});
+  const at::Tensor tokens = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   const int64_t blocks = N / BLOCK_ROWS, threads = std::min<int64_t>(at::get_num_threads(), blocks);
   const bf16 *w = tiles.data_ptr<bf16>(), *t = tokens.data_ptr<bf16>();
