@@ -6,8 +6,10 @@
 // offset j % block_size), so nothing is gathered or padded first; everything is computed in
 // float32. One task per (request, KV head) computes the query heads that share that KV head
 // (grouped-query attention): each key and value row is read once for all of them. Tasks are
-// split across torch's intra-op threads. An FP8 cache is widened to float32 as it is read
-// (simd.h). Caller: platforms/cpu/attention.py.
+// dealt to torch's intra-op threads in turn (thread t of T takes tasks t, t + T, ...), not in
+// runs: a prompt chunk attended token by token (attention.py) has contexts that grow along its
+// tokens, and a run of the last tokens' tasks would leave one thread most of the work. An FP8
+// cache is widened to float32 as it is read (simd.h). Caller: platforms/cpu/attention.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -203,30 +205,33 @@ static void attend(const at::Tensor& query, const at::Tensor& k_cache, const at:
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* o = out.data_ptr<T>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = B * Hkv, threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores, sums(G);
     CacheRows row;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, L = lens[b], kv_head = task % Hkv;
-      row.fill(tables + b * max_blocks, L, block_size, Hkv, D, kv_head);
-      const int64_t first = (b * H + kv_head * G) * D;  // this group's query heads
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[first + i]) * scale;
-      scores.resize(G * L);
-      for_key_blocks(k, row, L, D, [&](int64_t j, const auto& keys) {
-        for_head_blocks(G, [&](int64_t h, auto heads) {
-          score_keys<decltype(heads)::value>(&qf[h * D], keys, D, &scores[h * L + j], L);
+    for (int64_t share = begin; share < end; ++share) {
+      for (int64_t task = share; task < tasks; task += threads) {
+        const int64_t b = task / Hkv, L = lens[b], kv_head = task % Hkv;
+        row.fill(tables + b * max_blocks, L, block_size, Hkv, D, kv_head);
+        const int64_t first = (b * H + kv_head * G) * D;  // this group's query heads
+        for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[first + i]) * scale;
+        scores.resize(G * L);
+        for_key_blocks(k, row, L, D, [&](int64_t j, const auto& keys) {
+          for_head_blocks(G, [&](int64_t h, auto heads) {
+            score_keys<decltype(heads)::value>(&qf[h * D], keys, D, &scores[h * L + j], L);
+          });
         });
-      });
-      softmax_numerators(scores.data(), G, L, sums.data());
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_key_blocks(v, row, L, D, [&](int64_t j, const auto& values) {
-        for_head_blocks(G, [&](int64_t h, auto heads) {
-          add_values<decltype(heads)::value>(&scores[h * L + j], L, values, &acc[h * D], D);
+        softmax_numerators(scores.data(), G, L, sums.data());
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for_key_blocks(v, row, L, D, [&](int64_t j, const auto& values) {
+          for_head_blocks(G, [&](int64_t h, auto heads) {
+            add_values<decltype(heads)::value>(&scores[h * L + j], L, values, &acc[h * D], D);
+          });
         });
-      });
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          o[first + g * D + d] = static_cast<T>(acc[g * D + d] / sums[g]);
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d)
+            o[first + g * D + d] = static_cast<T>(acc[g * D + d] / sums[g]);
+      }
     }
   });
 }
