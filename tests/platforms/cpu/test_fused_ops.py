@@ -86,8 +86,9 @@ def test_rotary_matches_the_plain_ops(toggle, tokens, dtype, head_dim):
     assert torch.equal(fused, plain)  # two rounded products and their rounded sum, as torch
 
 
-# 1 token, 300 (rows split across threads); 3075 intermediate values: a tail past 16 lanes.
-@pytest.mark.parametrize("tokens", [1, 300])
+# 1 token (one thread), 40 (split across threads: rows this wide split past ~21), 300;
+# 3075 intermediate values: a tail past 16 lanes.
+@pytest.mark.parametrize("tokens", [1, 40, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_mul_matches_the_plain_ops(toggle, tokens, dtype):
     torch.manual_seed(tokens)

@@ -21,6 +21,9 @@ namespace {
 
 // Rows per thread below which a call stays on the calling thread (decode steps).
 constexpr int64_t GRAIN = 64;
+// The same in values, for ops whose rows are wider and dearer than a norm's (silu_mul's rows of
+// the MLP's intermediate size, an exp each): about as much work per thread as GRAIN norm rows.
+constexpr int64_t GRAIN_VALUES = GRAIN * 1024;
 
 template <typename T>
 float to_float(T v) { return static_cast<float>(v); }
@@ -179,12 +182,12 @@ at::Tensor as_rows(const at::Tensor& x) {
 }
 
 // Calls fn(row index r = t * H + h, pointer to row (t, h) of x) for every row of x [T, H, D]
-// (rows contiguous, any T/H strides), split across threads above GRAIN rows.
+// (rows contiguous, any T/H strides), split across threads above `grain` rows.
 template <typename T, typename Fn>
-void for_each_row(const at::Tensor& x, Fn fn) {
+void for_each_row(const at::Tensor& x, Fn fn, int64_t grain = GRAIN) {
   const int64_t H = x.size(1), st = x.stride(0), sh = x.stride(1);
   const T* xp = x.data_ptr<T>();
-  at::parallel_for(0, x.size(0) * H, GRAIN, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.size(0) * H, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) fn(r, xp + (r / H) * st + (r % H) * sh);
   });
 }
@@ -272,9 +275,9 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   auto out = at::empty({x.size(0), I}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_mul", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
-    for_each_row<scalar_t>(x, [&](int64_t r, const scalar_t* row) {
-      silu_mul_row(row, row + I, op + r * I, I);
-    });
+    for_each_row<scalar_t>(
+        x, [&](int64_t r, const scalar_t* row) { silu_mul_row(row, row + I, op + r * I, I); },
+        std::max<int64_t>(1, GRAIN_VALUES / I));
   });
   return out;
 }
