@@ -136,14 +136,19 @@ def test_the_worker_starts_before_the_tokenizer_loads_and_dies_with_it(
 
     workers_while_loading: list[int] = []
 
+    def worker_children() -> list[int]:
+        workers = []
+        for pid in child_pids(os.getpid()):
+            with contextlib.suppress(OSError):
+                if b"nanoserve.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    workers.append(pid)
+        return workers
+
     def failing_tokenizer(args: object, model_dir: Path) -> None:
         deadline = time.monotonic() + 10.0  # /proc can lag the spawn on a busy machine
-        while not workers_while_loading and time.monotonic() < deadline:
-            for pid in child_pids(os.getpid()):
-                with contextlib.suppress(OSError):
-                    if b"nanoserve.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                        workers_while_loading.append(pid)
-            time.sleep(0 if workers_while_loading else 0.02)
+        while not (workers := worker_children()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        workers_while_loading.extend(workers)
         raise failure
 
     monkeypatch.setattr(cli, "_load_front_tokenizer", failing_tokenizer)
