@@ -51,17 +51,26 @@ def free_port() -> int:
 
 
 def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid`, from /proc."""
+    """Direct children of `pid` that have started their own program, from /proc.
+
+    A child between fork and exec still runs the parent's command line and is left out: Python
+    starts subprocesses with vfork, so stopping (SIGSTOP) such a child would stop its parent too.
+    """
+    try:
+        parent_command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
     children = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
+            command = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
         parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == pid:
+        if parent == pid and command != parent_command:
             children.append(int(entry))
     return children
 
