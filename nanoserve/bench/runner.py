@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
 from nanoserve.bench import background, workloads
 from nanoserve.bench.arms import ArmOptions, ArmSpec, Server
@@ -28,17 +29,29 @@ WorkloadResults = dict[str, dict[str, PhaseResults]]  # workload -> arm -> its p
 
 @contextlib.contextmanager
 def signals_end_the_run() -> Iterator[None]:
-    """While servers run, SIGTERM and SIGHUP end the run as Ctrl-C does, by KeyboardInterrupt,
-    so that every `finally` stops its servers (by default Python dies at once and leaves them
-    running: each is in a session of its own)."""
+    """While servers run, SIGTERM and SIGHUP end the run as Ctrl-C does, so that every `finally`
+    stops its servers (by default Python dies at once and leaves them running: each is in a
+    session of its own)."""
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
     for signum in previous:
-        signal.signal(signum, signal.default_int_handler)
+        signal.signal(signum, _end_as_ctrl_c)
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _end_as_ctrl_c(signum: int, frame: FrameType | None) -> None:
+    """Do what Ctrl-C does now: call SIGINT's handler, Python's (a KeyboardInterrupt) or, while
+    requests are measured, `asyncio.run`'s (the measuring task is cancelled and unwinds, then
+    `asyncio.run` raises the KeyboardInterrupt). A KeyboardInterrupt raised in the middle of the
+    event loop's work could be lost in a callback (an import's lock) or wrapped in a task group's
+    error instead."""
+    on_ctrl_c = signal.getsignal(signal.SIGINT)
+    if not callable(on_ctrl_c):
+        raise KeyboardInterrupt
+    on_ctrl_c(signal.SIGINT, frame)
 
 
 def run_workload(server: Server, workload: Workload, args: argparse.Namespace) -> PhaseResults:

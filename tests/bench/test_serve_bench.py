@@ -247,7 +247,7 @@ def test_a_terminated_bench_stops_its_servers(tmp_path, rounds):
             time.sleep(0.05)  # paces the poll
         server_pid = int(pid_file.read_text())
         run.process.send_signal(signal.SIGTERM)  # its warm-up request hangs: mid-measurement
-        assert run.wait_or_dump_stacks(timeout_s=60) == 130
+        assert run.wait_or_dump_stacks(timeout_s=60) == 130, run.stderr[-3000:]
     finally:
         run.stop()
     with pytest.raises(ProcessLookupError):
