@@ -25,8 +25,10 @@ def test_a_signal_while_requests_are_measured_cancels_them_then_interrupts(signu
     KeyboardInterrupt; an interrupt raised in the middle of the task's code could be lost (in a
     callback) or wrapped (by a task group) on its way out."""
     seen: list[BaseException] = []
+    senders = []
 
     async def measuring() -> None:
+        senders.append(send_later(signum))  # once asyncio.run's own handler is in place
         try:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # reading responses: the task's code runs
@@ -36,18 +38,17 @@ def test_a_signal_while_requests_are_measured_cancels_them_then_interrupts(signu
             seen.append(exc)
             raise
 
-    sender = send_later(signum)
     with pytest.raises(KeyboardInterrupt), signals_end_the_run():
         asyncio.run(measuring())
-    assert sender.wait(timeout=10) == 0
+    assert senders[0].wait(timeout=10) == 0
     assert [type(exc) for exc in seen] == [asyncio.CancelledError]
 
 
 def test_a_signal_outside_the_event_loop_interrupts_and_the_handlers_come_back() -> None:
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    sender = send_later(signal.SIGTERM)
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt), signals_end_the_run():
+        sender = send_later(signal.SIGTERM)
         time.sleep(30)  # a server starting
     assert sender.wait(timeout=10) == 0
     assert time.monotonic() - started < 20
