@@ -66,11 +66,12 @@ def child_pids(pid: int) -> list[int]:
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != pid:  # its parent's pid
+                continue
             command = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == pid and command != parent_command:
+        if command != parent_command:
             children.append(int(entry))
     return children
 
