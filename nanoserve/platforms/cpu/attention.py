@@ -14,7 +14,10 @@ A short prompt chunk after a long cached prefix (an editor's next keystroke: a f
 over a whole document) is the same shape as a few decode tokens: each of its tokens attends over
 the context up to its own position. Where every request of a step runs at most
 `SHORT_CHUNK_TOKENS` tokens, each token goes through the kernel as if it were a decode token,
-with its request's block table and its own context length; no context is gathered. So do longer
+with its request's block table and its own context length; no context is gathered (in bf16 the
+kernel then finds the chunk's tokens in a row and attends them as one chunk, on the prompt
+kernel's tiles, so the context is read once, not once a token; so are a verify step's drafts,
+laid out the same way). So do longer
 chunks while the step's (token, key) pairs are few (`TOKEN_BY_TOKEN_PAIRS`: a short prompt
 with little or nothing cached, the first request of a chat): the kernel computes each token's
 scores alone, a dot product per key, which costs more per pair than SDPA's blocks but little

@@ -69,6 +69,73 @@ def test_kernel_splits_requests_across_threads_without_changing_them(kernels, co
     assert torch.equal(one, many)  # each task is one thread's, summed in the same order
 
 
+def step_of_runs(runs, block_size=16):
+    """A bf16 step of one request per (tokens, context of its last token): each request's
+    tokens in a row, token i of n seeing the context but its last n - 1 - i keys (a verify
+    step's drafts, a short chunk), its blocks scattered over the cache."""
+    torch.manual_seed(len(runs))
+    blocks = [-(-context // block_size) for _, context in runs]
+    k_cache = torch.randn(sum(blocks) + 2, block_size, 8, 128, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(len(k_cache)).tolist()
+    tables = [order[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(runs))]
+    width = max(blocks)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    token_tables = [row for row, (n, _) in zip(padded, runs, strict=True) for _ in range(n)]
+    lens = [context - n + 1 + i for n, context in runs for i in range(n)]
+    query = torch.randn(len(lens), 16, 128, dtype=torch.bfloat16)
+    return query, k_cache, v_cache, torch.tensor(token_tables), torch.tensor(lens), tables
+
+
+# (tokens, context): a verify step's 5 tokens over 40 keys; a decode token; 2 tokens over 600
+# keys (a chunk) and over 20 (each alone: packing so few keys costs more); 17 over 1,500.
+RUNS = [(5, 40), (1, 33), (2, 600), (2, 20), (17, 1500)]
+
+
+def test_a_requests_tokens_in_a_row_attend_as_its_chunk_would(kernels):
+    query, k_cache, v_cache, tables, lens, request_tables = step_of_runs(RUNS)
+    got = kernels.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.088)
+    first = 0
+    for (n, context), table in zip(RUNS, request_tables, strict=True):
+        rows = slice(first, first + n)
+        as_chunk = kernels.prompt_attention_is_available() and (n >= 3 or context >= 512)
+        if as_chunk:  # the prompt kernel's own result over the gathered context, bit for bit
+            key, value = (c[table].flatten(0, 1)[:context] for c in (k_cache, v_cache))
+            expected = kernels.prompt_attention(query[rows], key, value, 0.088)
+        else:  # each token alone
+            expected = torch.cat(
+                [
+                    kernels.paged_decode_attention(
+                        query[t : t + 1],
+                        k_cache,
+                        v_cache,
+                        tables[t : t + 1],
+                        lens[t : t + 1],
+                        0.088,
+                    )
+                    for t in range(first, first + n)
+                ]
+            )
+        assert torch.equal(got[rows], expected), (n, context)
+        first += n
+    alone = kernels.paged_decode_attention(  # float32: every token alone
+        query.float(), k_cache.float(), v_cache.float(), tables, lens, 0.088
+    )
+    torch.testing.assert_close(got.float(), alone, atol=4e-3, rtol=2**-7)
+
+
+def test_tokens_in_other_blocks_or_contexts_are_no_run(kernels):
+    """Two requests whose contexts happen to be one key apart, in different blocks, each attend
+    alone: their rows are what each gives in a step of its own."""
+    query, k_cache, v_cache, tables, lens, _ = step_of_runs([(1, 700), (1, 701), (1, 702)])
+    got = kernels.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.088)
+    for t in range(3):
+        one = kernels.paged_decode_attention(
+            query[t : t + 1], k_cache, v_cache, tables[t : t + 1], lens[t : t + 1], 0.088
+        )
+        assert torch.equal(got[t : t + 1], one)
+
+
 def test_kernel_refuses_a_context_longer_than_its_block_table(kernels):
     query, k_cache, v_cache, meta = decode_step(2, 2, 64, 4, torch.float32)
     too_long = meta.seq_lens.clone()

@@ -10,6 +10,12 @@
 // runs: a prompt chunk attended token by token (attention.py) has contexts that grow along its
 // tokens, and a run of the last tokens' tasks would leave one thread most of the work. An FP8
 // cache is widened to float32 as it is read (simd.h). Caller: platforms/cpu/attention.py.
+//
+// A step's tokens need not be one per request: a verify step's drafts and a short prompt chunk
+// are one request's tokens in a row, each seeing one key more than the last. Attended alone,
+// each would read the whole context again; in bf16 such runs (long enough to pay for packing
+// their keys) attend as the chunk they are, through prompt_attention.cpp's tiles, reading the
+// context once. Every other token attends alone, as above.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -17,9 +23,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 // How many keys ahead a task asks for the next K/V rows: one task's rows lie a whole slot
@@ -31,6 +39,11 @@ constexpr int64_t AHEAD = 8;
 // previous one).
 constexpr int KEYS = 4;
 constexpr int HEADS = 2;
+// The fewest tokens of one request in a row that attend as a chunk (on bf16 tiles) rather than
+// one by one; or two, where they see at least MIN_PAIR_KEYS keys (below these, packing the
+// chunk's keys costs more than it saves).
+constexpr int64_t MIN_RUN = 3;
+constexpr int64_t MIN_PAIR_KEYS = 512;
 
 template <typename T>
 static void prefetch_row(const T* row, int64_t D) {
@@ -191,12 +204,13 @@ struct CacheRows {
   int64_t operator()(int64_t j) const { return starts[j]; }
 };
 
+// The rows of out for `tokens` (indices into the step's tokens), each token attending alone.
 // T: the query's and output's type; C: the cache's (T, or FP8 widened as it is read).
 template <typename T, typename C>
 static void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                   at::Tensor& out) {
-  const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                   const std::vector<int64_t>& tokens, double scale, at::Tensor& out) {
+  const int64_t B = static_cast<int64_t>(tokens.size()), H = query.size(1), D = query.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
   const int64_t max_blocks = block_tables.size(1);
   const T* q = query.data_ptr<T>();
@@ -211,7 +225,7 @@ static void attend(const at::Tensor& query, const at::Tensor& k_cache, const at:
     CacheRows row;
     for (int64_t share = begin; share < end; ++share) {
       for (int64_t task = share; task < tasks; task += threads) {
-        const int64_t b = task / Hkv, L = lens[b], kv_head = task % Hkv;
+        const int64_t b = tokens[task / Hkv], L = lens[b], kv_head = task % Hkv;
         row.fill(tables + b * max_blocks, L, block_size, Hkv, D, kv_head);
         const int64_t first = (b * H + kv_head * G) * D;  // this group's query heads
         for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[first + i]) * scale;
@@ -239,17 +253,45 @@ static void attend(const at::Tensor& query, const at::Tensor& k_cache, const at:
 // attend<T, C> for the cache's dtype C: the query's, or FP8.
 template <typename T>
 static void attend_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& tables, const at::Tensor& lens, double scale,
-                         at::Tensor& out) {
+                         const at::Tensor& tables, const at::Tensor& lens,
+                         const std::vector<int64_t>& tokens, double scale, at::Tensor& out) {
   switch (k_cache.scalar_type()) {
     case at::kFloat8_e4m3fn:
-      return attend<T, at::Float8_e4m3fn>(q, k_cache, v_cache, tables, lens, scale, out);
+      return attend<T, at::Float8_e4m3fn>(q, k_cache, v_cache, tables, lens, tokens, scale, out);
     case at::kFloat8_e5m2:
-      return attend<T, at::Float8_e5m2>(q, k_cache, v_cache, tables, lens, scale, out);
+      return attend<T, at::Float8_e5m2>(q, k_cache, v_cache, tables, lens, tokens, scale, out);
     default:
       TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "a cache in the query's dtype or FP8");
-      return attend<T, T>(q, k_cache, v_cache, tables, lens, scale, out);
+      return attend<T, T>(q, k_cache, v_cache, tables, lens, tokens, scale, out);
   }
+}
+
+// Whether token t continues token t - 1's run: one more key of context, in the same cache blocks.
+static bool continues(const int64_t* tables, const int64_t* lens, int64_t max_blocks,
+                      int64_t block_size, int64_t t) {
+  if (lens[t] != lens[t - 1] + 1) return false;
+  const int64_t blocks = (lens[t] + block_size - 1) / block_size;
+  return std::equal(tables + t * max_blocks, tables + t * max_blocks + blocks,
+                    tables + (t - 1) * max_blocks);
+}
+
+// The step's tokens split into runs (each one request's tokens in a row: a verify step's drafts,
+// a short prompt chunk) long enough to attend as chunks, and the tokens left, which attend alone.
+static std::pair<std::vector<TokenRun>, std::vector<int64_t>> split_runs(
+    const at::Tensor& tables, const at::Tensor& lens, int64_t block_size) {
+  const int64_t T = lens.numel(), max_blocks = tables.size(1);
+  const int64_t *table = tables.data_ptr<int64_t>(), *len = lens.data_ptr<int64_t>();
+  std::vector<TokenRun> runs;
+  std::vector<int64_t> alone;
+  for (int64_t first = 0, t; first < T; first = t) {
+    for (t = first + 1; t < T && continues(table, len, max_blocks, block_size, t);) ++t;
+    if (t - first >= MIN_RUN || (t - first == 2 && len[t - 1] >= MIN_PAIR_KEYS)) {
+      runs.push_back({first, t - first});
+    } else {
+      for (int64_t i = first; i < t; ++i) alone.push_back(i);
+    }
+  }
+  return {runs, alone};
 }
 
 // query [B, H, D]; caches [num_blocks, block_size, Hkv, D] in the query's dtype or FP8 (e4m3fn,
@@ -272,11 +314,18 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tens
   }
   auto q = query.contiguous();
   auto out = at::empty_like(q);
+  std::vector<TokenRun> runs;
+  std::vector<int64_t> alone(q.size(0));
+  std::iota(alone.begin(), alone.end(), 0);
+  if (paged_chunk_attention_takes(q, k_cache))
+    std::tie(runs, alone) = split_runs(tables, lens, k_cache.size(1));
+  if (!runs.empty()) paged_chunk_attention(q, k_cache, v_cache, tables, lens, runs, scale, out);
+  if (alone.empty()) return out;
   if (q.scalar_type() == at::kBFloat16) {
-    attend_cache<at::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out);
+    attend_cache<at::BFloat16>(q, k_cache, v_cache, tables, lens, alone, scale, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "bf16 or float32 only");
-    attend_cache<float>(q, k_cache, v_cache, tables, lens, scale, out);
+    attend_cache<float>(q, k_cache, v_cache, tables, lens, alone, scale, out);
   }
   return out;
 }

@@ -79,6 +79,19 @@ bool prompt_attention_is_available();
 bool prompt_attention_uses_tiles();
 at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, double scale,
                             bool allow_tiles);
+// Tokens first .. first + count - 1 of a step: one request's, attending as one chunk (token
+// first + i sees the keys the last one sees but its last count - 1 - i).
+struct TokenRun {
+  int64_t first, count;
+};
+bool paged_chunk_attention_takes(const at::Tensor& query, const at::Tensor& k_cache);
+// query [T, H, D] bf16 (contiguous); caches [num_blocks, block_size, Hkv, D] bf16; block_tables
+// [T, max_blocks] and seq_lens [T] int64 (contiguous): each run's rows of out [T, H, D], its
+// keys and values read where they lie in the cache (through the prompt kernel's tiles).
+void paged_chunk_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const std::vector<TokenRun>& runs,
+                           double scale, at::Tensor& out);
 
 // decode_layers.cpp: the DecodeLayers class
 void bind_decode_layers(pybind11::module& m);

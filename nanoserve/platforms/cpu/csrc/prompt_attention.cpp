@@ -16,7 +16,11 @@
 //
 // Both kinds of product take B in "VNNI" order (pairs of rows interleaved: each 32-bit word holds
 // two consecutive k of one column), so each KV head's keys and values are repacked once per call,
-// block by block, before the tasks start. Tiles are 16 rows of 64 bytes (16 float32 or 32 bf16),
+// block by block, before the tasks start. A run of one request's tokens in a paged step (a verify
+// step's drafts, a short chunk; decode_attention.cpp finds them) is such a chunk too, its keys
+// and values read where they lie in the cache: there each task packs the key blocks it reads
+// (a run of up to 128 tokens is one query block, so each is packed once per KV head).
+// Tiles are 16 rows of 64 bytes (16 float32 or 32 bf16),
 // and the vector products work in 32 columns at least: head dims must be a multiple of 32. Blocks
 // past the end (the last query block, the last key block) are zero-padded so every product is
 // whole.
@@ -34,6 +38,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "kernels.h"
 #include "simd.h"
 
 #if defined(__AVX512BF16__)
@@ -64,7 +69,7 @@ struct AlignedBuffer {
   ~AlignedBuffer() { std::free(data); }
 };
 
-// A thread's working set for one task: M = group * QUERY_BLOCK rows.
+// A thread's working set for one task: M = group * QUERY_BLOCK rows at most.
 struct TaskScratch {
   AlignedBuffer<bf16> queries;        // [M, D]
   AlignedBuffer<float> scores;        // [M, KEY_BLOCK]
@@ -72,44 +77,78 @@ struct TaskScratch {
   AlignedBuffer<float> out;           // [M, D]
   AlignedBuffer<float> row_max, row_sum;  // [M] (row_max in log2 units, scaled)
   AlignedBuffer<int64_t> widths;          // [M / 4]: keys of the block each 4 rows see
+  AlignedBuffer<bf16> keys, values;       // [KEY_BLOCK * D] each: a block packed from the cache
   void reserve(int64_t M, int64_t D) {
     queries.reserve(M * D), scores.reserve(M * KEY_BLOCK), probabilities.reserve(M * KEY_BLOCK);
     out.reserve(M * D), row_max.reserve(M), row_sum.reserve(M), widths.reserve(M / 4);
+    keys.reserve(KEY_BLOCK * D), values.reserve(KEY_BLOCK * D);
   }
 };
 
-// Keys [n, D] (row stride `ld`) -> [D/2, KEY_BLOCK, 2]: B of S = Q K^T in VNNI order, column j
-// being key j (zero past n). Each 32-bit word is one key's pair of dims, gathered 16 keys at once.
-void pack_keys(const bf16* keys, int64_t ld, int64_t n, int64_t D, bf16* out) {
-  const int* words = reinterpret_cast<const int*>(keys);
+// rows[k] (16 words each) -> rows[p]: word p of every row, in row order (a 16 x 16 transpose
+// of 32-bit words, in shuffles).
+inline void transpose_words(__m512i (&rows)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // t[i], t[i + 1]: rows i, i + 1's words 0, 1 / 2, 3 of a lane
+    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  __m512i v[4][4];  // v[g][e], lane L: word 4L + e of rows 4g .. 4g + 3
+  for (int g = 0; g < 4; ++g) {
+    const __m512i *low = t + 4 * g, *high = t + 4 * g + 1;
+    v[g][0] = _mm512_unpacklo_epi64(low[0], low[2]);
+    v[g][1] = _mm512_unpackhi_epi64(low[0], low[2]);
+    v[g][2] = _mm512_unpacklo_epi64(high[0], high[2]);
+    v[g][3] = _mm512_unpackhi_epi64(high[0], high[2]);
+  }
+  for (int e = 0; e < 4; ++e) {  // word 4L + e of all 16 rows: lane L of v[0..3][e], in order
+    const __m512i x = _mm512_shuffle_i32x4(v[0][e], v[1][e], 0x44);
+    const __m512i y = _mm512_shuffle_i32x4(v[0][e], v[1][e], 0xEE);
+    const __m512i z = _mm512_shuffle_i32x4(v[2][e], v[3][e], 0x44);
+    const __m512i w = _mm512_shuffle_i32x4(v[2][e], v[3][e], 0xEE);
+    rows[e] = _mm512_shuffle_i32x4(x, z, 0x88);
+    rows[4 + e] = _mm512_shuffle_i32x4(x, z, 0xDD);
+    rows[8 + e] = _mm512_shuffle_i32x4(y, w, 0x88);
+    rows[12 + e] = _mm512_shuffle_i32x4(y, w, 0xDD);
+  }
+}
+
+// Keys -> [D/2, KEY_BLOCK, 2]: B of S = Q K^T in VNNI order, column j being key j (zero past
+// n). `group(j)`: where keys j .. j + 15 start (j a multiple of 16, below n), their rows `ld`
+// apart. Each 32-bit word is one key's pair of dims: 16 keys' 32 dims are transposed at once.
+template <typename GroupStart>
+void pack_keys(const GroupStart& group, int64_t ld, int64_t n, int64_t D, bf16* out) {
   int* packed = reinterpret_cast<int*>(out);
-  const __m512i key_rows = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int>(ld / 2)));
   for (int64_t j = 0; j < KEY_BLOCK; j += 16) {
-    const int64_t left = n - j;
-    const __mmask16 present = left >= 16 ? 0xffff : left <= 0 ? 0 : (1u << left) - 1;
-    const int* first = words + std::min(j, n) * (ld / 2);
-    for (int64_t pair = 0; pair < D / 2; ++pair) {
-      const __m512i column = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present,
-                                                         key_rows, first + pair, 4);
-      _mm512_storeu_si512(packed + pair * KEY_BLOCK + j, column);
+    const int64_t present = std::clamp<int64_t>(n - j, 0, 16);
+    const bf16* first = present > 0 ? group(j) : nullptr;
+    for (int64_t d = 0; d < D; d += 32) {  // pairs d / 2 .. d / 2 + 15
+      __m512i rows[16];
+      for (int64_t k = 0; k < 16; ++k)
+        rows[k] = k < present ? _mm512_loadu_si512(first + k * ld + d) : _mm512_setzero_si512();
+      transpose_words(rows);
+      for (int64_t p = 0; p < 16; ++p)
+        _mm512_storeu_si512(packed + (d / 2 + p) * KEY_BLOCK + j, rows[p]);
     }
   }
 }
 
-// Values [n, D] (row stride `ld`) -> [KEY_BLOCK/2, D, 2]: B of O += P V in VNNI order, rows
-// 2i and 2i + 1 interleaved (zero rows past n).
-void pack_values(const bf16* values, int64_t ld, int64_t n, int64_t D, bf16* out) {
-  const auto row = [&](int64_t r, int64_t d) {  // 16 values of row r, each in a 32-bit lane
-    if (r >= n) return _mm512_setzero_si512();
-    const auto* at = reinterpret_cast<const __m256i*>(values + r * ld + d);
-    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(at));
+// Values -> [KEY_BLOCK/2, D, 2]: B of O += P V in VNNI order, rows 2i and 2i + 1 interleaved
+// (zero rows past n); `group` and `ld` as for pack_keys.
+template <typename GroupStart>
+void pack_values(const GroupStart& group, int64_t ld, int64_t n, int64_t D, bf16* out) {
+  const auto row_start = [&](int64_t r) -> const bf16* {  // row r, or none past the end
+    return r < n ? group(r - r % 16) + r % 16 * ld : nullptr;
+  };
+  const auto row = [&](const bf16* start, int64_t d) {  // 16 values, each in a 32-bit lane
+    if (start == nullptr) return _mm512_setzero_si512();
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(start + d)));
   };
   for (int64_t pair = 0; pair < KEY_BLOCK / 2; ++pair) {
     int* packed = reinterpret_cast<int*>(out + pair * D * 2);
+    const bf16 *even = row_start(2 * pair), *odd = row_start(2 * pair + 1);
     for (int64_t d = 0; d < D; d += 16) {
-      const __m512i low = row(2 * pair, d), high = row(2 * pair + 1, d);
+      const __m512i low = row(even, d), high = row(odd, d);
       _mm512_storeu_si512(packed + d, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
     }
   }
@@ -283,25 +322,69 @@ void prefetch_to_l2(const bf16* at, int64_t count) {
     _mm_prefetch(bytes + offset, _MM_HINT_T1);
 }
 
-// The chunk's shapes and data, as the tasks read them.
+// The chunk's shapes and data, as the tasks read them. Its keys and values are either packed
+// before the tasks start (`keys_packed`, `values_packed`: [Hkv, key_blocks, KEY_BLOCK * D]) or
+// read where they lie in a paged cache ([num_blocks, block_size, Hkv, D], block_size a multiple
+// of 16; `table`: the cache blocks of its context), each task packing the blocks it reads.
 struct Chunk {
-  const bf16 *queries, *keys_packed, *values_packed;
-  bf16* out;
-  int64_t Q, K, H, Hkv, D, query_stride, key_blocks;
+  const bf16* queries;  // [Q, H, D], tokens query_stride apart
+  bf16* out;            // [Q, H, D], contiguous
+  int64_t Q, K, H, Hkv, D, query_stride;
+  int64_t rows;  // rows per query head in a task: task_rows(Q, H / Hkv)
   float scale_log2;
+  const bf16 *keys_packed = nullptr, *values_packed = nullptr;
+  int64_t key_blocks = 0;
+  const bf16 *k_cache = nullptr, *v_cache = nullptr;
+  const int64_t* table = nullptr;
+  int64_t block_size = 0;
 };
+
+// Each head's rows in a task of a Q-token chunk whose KV heads are shared by `group` query heads:
+// a whole query block, or Q rounded up to 16 (to 32 where the group is odd: the products take
+// rows 32 at a time). A chunk of a few tokens then computes few rows of padding.
+int64_t task_rows(int64_t Q, int64_t group) {
+  const int64_t rows = group % 2 == 0 ? (Q + 15) / 16 * 16 : (Q + 31) / 32 * 32;
+  return std::min(QUERY_BLOCK, rows);
+}
+
+// The packed keys and values of key block `kb` for KV head `kv_head`: the chunk's own (the next
+// block's asked for in L2), or packed now from the paged cache into the task's scratch.
+std::pair<const bf16*, const bf16*> key_block(const Chunk& c, int64_t kv_head, int64_t kb,
+                                              bool more, TaskScratch& w) {
+  const int64_t D = c.D;
+  if (c.table == nullptr) {
+    const bf16* keys = c.keys_packed + (kv_head * c.key_blocks + kb) * KEY_BLOCK * D;
+    const bf16* values = c.values_packed + (keys - c.keys_packed);
+    if (more) {  // the next block's keys and values on their way to L2
+      prefetch_to_l2(keys + KEY_BLOCK * D, KEY_BLOCK * D);
+      prefetch_to_l2(values + KEY_BLOCK * D, KEY_BLOCK * D);
+    }
+    return {keys, values};
+  }
+  const int64_t key0 = kb * KEY_BLOCK, n = std::min(KEY_BLOCK, c.K - key0), slot = c.Hkv * D;
+  const int64_t bs = c.block_size, head = kv_head * D;
+  const auto in = [&](const bf16* cache) {  // where keys key0 + j .. + 15 lie in `cache`
+    return [&, cache](int64_t j) {
+      const int64_t key = key0 + j;
+      return cache + (c.table[key / bs] * bs + key % bs) * slot + head;
+    };
+  };
+  pack_keys(in(c.k_cache), slot, n, D, w.keys.data);
+  pack_values(in(c.v_cache), slot, n, D, w.values.data);
+  return {w.keys.data, w.values.data};
+}
 
 // One task: query block `block` of every query head in KV head `kv_head`'s group.
 template <typename Products>
 void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w) {
-  const int64_t group = c.H / c.Hkv, M = group * QUERY_BLOCK, D = c.D;
+  const int64_t group = c.H / c.Hkv, R = c.rows, M = group * R, D = c.D;
   const int64_t first = block * QUERY_BLOCK, count = std::min(QUERY_BLOCK, c.Q - first);
-  for (int64_t g = 0; g < group; ++g) {  // rows g * QUERY_BLOCK + i: head g's query first + i
-    bf16* rows = w.queries.data + g * QUERY_BLOCK * D;
+  for (int64_t g = 0; g < group; ++g) {  // rows g * R + i: head g's query first + i
+    bf16* rows = w.queries.data + g * R * D;
     for (int64_t i = 0; i < count; ++i)
       std::memcpy(rows + i * D, c.queries + (first + i) * c.query_stride + (kv_head * group + g) * D,
                   D * sizeof(bf16));
-    std::memset(rows + count * D, 0, (QUERY_BLOCK - count) * D * sizeof(bf16));
+    std::memset(rows + count * D, 0, (R - count) * D * sizeof(bf16));
   }
   std::fill(w.row_max.data, w.row_max.data + M, -INFINITY);
   std::fill(w.row_sum.data, w.row_sum.data + M, 0.f);
@@ -311,31 +394,26 @@ void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w
   for (int64_t kb = 0; kb <= last_key / KEY_BLOCK; ++kb) {
     const int64_t key0 = kb * KEY_BLOCK, keys = std::min(KEY_BLOCK, c.K - key0);
     const auto seen = [&](int64_t r) {  // how many of the block's keys row r sees
-      if (r % QUERY_BLOCK >= count) return int64_t{0};  // a padding row past the chunk's end
-      return std::min(keys, offset + first + r % QUERY_BLOCK + 1 - key0);
+      if (r % R >= count) return int64_t{0};  // a padding row past the chunk's end
+      return std::min(keys, offset + first + r % R + 1 - key0);
     };
     for (int64_t i = 0; i < M; i += 4) {  // the last real row of 4 (one head's) sees the most
       const int64_t most = std::max({seen(i), seen(i + 1), seen(i + 2), seen(i + 3)});
       w.widths.data[i / 4] = std::max<int64_t>(0, (most + 31) / 32 * 32);
     }
-    const int64_t packed = (kv_head * c.key_blocks + kb) * KEY_BLOCK * D;
-    if (kb < last_key / KEY_BLOCK) {  // the next block's keys and values on their way to L2
-      prefetch_to_l2(c.keys_packed + packed + KEY_BLOCK * D, KEY_BLOCK * D);
-      prefetch_to_l2(c.values_packed + packed + KEY_BLOCK * D, KEY_BLOCK * D);
-    }
-    Products::scores(w.queries.data, c.keys_packed + packed, w.scores.data, M, D, w.widths.data);
+    const auto [key_rows, value_rows] = key_block(c, kv_head, kb, kb < last_key / KEY_BLOCK, w);
+    Products::scores(w.queries.data, key_rows, w.scores.data, M, D, w.widths.data);
     for (int64_t i = 0; i < M; i += 32) {  // probabilities as far as a tile of 32 rows reads
       const int64_t span = widest_of_32(w.widths.data, i);
       for (int64_t r = i; r < i + 32; ++r)
         softmax_row(w.scores.data + r * KEY_BLOCK, seen(r), span, c.scale_log2, w.row_max.data[r],
                     w.row_sum.data[r], w.out.data + r * D, D, w.probabilities.data + r * KEY_BLOCK);
     }
-    Products::accumulate(w.probabilities.data, c.values_packed + packed, w.out.data, M, D,
-                         w.widths.data);
+    Products::accumulate(w.probabilities.data, value_rows, w.out.data, M, D, w.widths.data);
   }
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t i = 0; i < count; ++i) {
-      const int64_t r = g * QUERY_BLOCK + i;
+      const int64_t r = g * R + i;
       const __m512 inverse = _mm512_set1_ps(1.f / w.row_sum.data[r]);
       bf16* to = c.out + ((first + i) * c.H + kv_head * group + g) * D;
       for (int64_t d = 0; d < D; d += 16)
@@ -344,20 +422,49 @@ void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w
   }
 }
 
-// Every task of the chunk, largest first, to whichever thread is free.
+// One task of attend_all: query block `block` of chunk `chunk` for KV head `kv_head`.
+struct Task {
+  int64_t chunk, kv_head, block, work;  // work: (query, key) pairs the block's queries see
+};
+
+// Every task of the chunks, largest first, to whichever thread is free.
 template <typename Products>
-void attend_all(const Chunk& chunk) {
-  const int64_t query_blocks = (chunk.Q + QUERY_BLOCK - 1) / QUERY_BLOCK;
-  const int64_t tasks = chunk.Hkv * query_blocks;
+void attend_all(const std::vector<Chunk>& chunks) {
+  std::vector<Task> tasks;
+  int64_t most_rows = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(chunks.size()); ++i) {
+    const Chunk& c = chunks[i];
+    most_rows = std::max(most_rows, c.H / c.Hkv * c.rows);
+    for (int64_t block = 0; block * QUERY_BLOCK < c.Q; ++block) {
+      const int64_t count = std::min(QUERY_BLOCK, c.Q - block * QUERY_BLOCK);
+      const int64_t work = count * (c.K - c.Q + block * QUERY_BLOCK + count);
+      for (int64_t kv_head = 0; kv_head < c.Hkv; ++kv_head)
+        tasks.push_back({i, kv_head, block, work});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.work > b.work; });
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size()), D = chunks.front().D;
   std::atomic<int64_t> next_task{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1,
+                   [&](int64_t, int64_t) {
     thread_local TaskScratch scratch;
-    scratch.reserve(chunk.H / chunk.Hkv * QUERY_BLOCK, chunk.D);
+    scratch.reserve(most_rows, D);
     Products::start();
-    for (int64_t t; (t = next_task.fetch_add(1)) < tasks;)  // the last query blocks first
-      attend_block<Products>(chunk, t % chunk.Hkv, query_blocks - 1 - t / chunk.Hkv, scratch);
+    for (int64_t t; (t = next_task.fetch_add(1)) < num_tasks;) {
+      const Task& task = tasks[t];
+      attend_block<Products>(chunks[task.chunk], task.kv_head, task.block, scratch);
+    }
     Products::finish();
   });
+}
+
+// attend_all on AMX's tiles where allowed and usable, else on AVX-512 BF16's dot products.
+void attend_all_on(const std::vector<Chunk>& chunks, bool allow_tiles) {
+#ifdef NANOSERVE_AMX
+  if (allow_tiles && amx::tiles_permitted()) return attend_all<TileProducts>(chunks);
+#endif
+  attend_all<VectorProducts>(chunks);
 }
 
 // Each KV head's keys and values in key blocks of VNNI pairs: [Hkv, key_blocks, KEY_BLOCK * D].
@@ -370,10 +477,12 @@ std::pair<at::Tensor, at::Tensor> pack_context(const at::Tensor& key, const at::
     for (int64_t t = begin; t < end; ++t) {
       const int64_t head = t / key_blocks, key0 = t % key_blocks * KEY_BLOCK;
       const int64_t n = std::min(KEY_BLOCK, K - key0);
-      pack_keys(key.data_ptr<bf16>() + key0 * key.stride(0) + head * D, key.stride(0), n, D,
+      const bf16* keys = key.data_ptr<bf16>() + key0 * key.stride(0) + head * D;
+      const bf16* values = value.data_ptr<bf16>() + key0 * value.stride(0) + head * D;
+      pack_keys([&](int64_t j) { return keys + j * key.stride(0); }, key.stride(0), n, D,
                 keys_packed.data_ptr<bf16>() + t * KEY_BLOCK * D);
-      pack_values(value.data_ptr<bf16>() + key0 * value.stride(0) + head * D, value.stride(0), n,
-                  D, values_packed.data_ptr<bf16>() + t * KEY_BLOCK * D);
+      pack_values([&](int64_t j) { return values + j * value.stride(0); }, value.stride(0), n, D,
+                  values_packed.data_ptr<bf16>() + t * KEY_BLOCK * D);
     }
   });
   return {keys_packed, values_packed};
@@ -413,18 +522,45 @@ at::Tensor prompt_attention(at::Tensor query, at::Tensor key, at::Tensor value, 
                 "each token's heads must be contiguous");
   at::Tensor out = at::empty({Q, H, D}, query.options());
   const auto [keys_packed, values_packed] = pack_context(key, value);
-  const Chunk chunk{query.data_ptr<bf16>(), keys_packed.data_ptr<bf16>(),
-                    values_packed.data_ptr<bf16>(), out.data_ptr<bf16>(), Q, K, H, Hkv, D,
-                    query.stride(0), keys_packed.size(1), static_cast<float>(scale * M_LOG2E)};
-#ifdef NANOSERVE_AMX
-  if (allow_tiles && prompt_attention_uses_tiles()) {
-    attend_all<TileProducts>(chunk);
-    return out;
-  }
-#endif
-  attend_all<VectorProducts>(chunk);
+  Chunk chunk{query.data_ptr<bf16>(), out.data_ptr<bf16>(), Q, K, H, Hkv, D, query.stride(0),
+              task_rows(Q, H / Hkv), static_cast<float>(scale * M_LOG2E)};
+  chunk.keys_packed = keys_packed.data_ptr<bf16>();
+  chunk.values_packed = values_packed.data_ptr<bf16>();
+  chunk.key_blocks = keys_packed.size(1);
+  attend_all_on({chunk}, allow_tiles);
   return out;
 #else
   return at::Tensor();
+#endif
+}
+
+bool paged_chunk_attention_takes(const at::Tensor& query, const at::Tensor& k_cache) {
+#ifdef NANOSERVE_PROMPT_KERNEL
+  return query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+         query.size(2) % 32 == 0 && k_cache.size(1) % 16 == 0;
+#else
+  return false;
+#endif
+}
+
+void paged_chunk_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const std::vector<TokenRun>& runs,
+                           double scale, at::Tensor& out) {
+  TORCH_CHECK(paged_chunk_attention_takes(query, k_cache), "bf16, head dims of 32k, blocks of 16k");
+#ifdef NANOSERVE_PROMPT_KERNEL
+  const int64_t H = query.size(1), D = query.size(2), Hkv = k_cache.size(2);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  std::vector<Chunk> chunks;
+  for (const TokenRun& run : runs) {  // (the caller checked each context against its table)
+    const int64_t last = run.first + run.count - 1, rows = run.first * H * D;
+    Chunk c{query.data_ptr<bf16>() + rows, out.data_ptr<bf16>() + rows, run.count, lens[last],
+            H, Hkv, D, H * D, task_rows(run.count, H / Hkv), static_cast<float>(scale * M_LOG2E)};
+    c.k_cache = k_cache.data_ptr<bf16>(), c.v_cache = v_cache.data_ptr<bf16>();
+    c.table = tables + last * block_tables.size(1), c.block_size = k_cache.size(1);
+    chunks.push_back(c);
+  }
+  if (!chunks.empty()) attend_all_on(chunks, true);
 #endif
 }
