@@ -10,10 +10,10 @@ eager step calls: the embedding, the RoPE tables, the final norm and the LM head
 Python, and the hidden states are bit for bit the eager runner's. Drafts to verify are laid
 out as decode tokens (`step_layout.py`) and come here too, and so do steps whose prompt chunks
 the kernel backend attends token by token (`attends_token_by_token`: an editor's next
-keystroke after one that never ran, a few new tokens over a cached document; a short prompt
-with little cached): the last layer then finishes only the rows that sample, as the eager
-model does. Other prompt chunks (and, where a GEMV limits them, larger batches) go to the
-runners after it.
+keystroke after one that never ran, new tokens over a cached document, up to the 128 the
+kernel attends as one chunk over the paged cache; a short prompt with little cached): the last
+layer then finishes only the rows that sample, as the eager model does. Other prompt chunks
+(and, where a GEMV limits them, larger batches) go to the runners after it.
 
 A step runs its layers in `LAYER_SPANS` calls and asks between them whether it was abandoned
 (`StepLayout.is_abandoned`): when an editor's next keystroke aborts the completion being
@@ -221,11 +221,14 @@ class FusedDecodeRunner(StepRunner):
 
     name = "cpu-fused-decode"
 
-    def __init__(self, eager: EagerStepRunner, layers: Any, max_tokens: int | None) -> None:
+    def __init__(
+        self, eager: EagerStepRunner, layers: Any, max_tokens: int | None, chunk_runs: bool
+    ) -> None:
         super().__init__(eager.model)
         self.eager = eager
         self.layers = layers
         self.max_tokens = max_tokens
+        self.chunk_runs = chunk_runs  # whether the kernel attends tokens in a row as chunks
         self.spans = layer_spans(layers.num_layers, LAYER_SPANS)
 
     def can_run(self, layout: StepLayout) -> bool:
@@ -233,7 +236,7 @@ class FusedDecodeRunner(StepRunner):
         the paged-decode kernel in the eager runner too (short chunks, or few keys in all),
         without prompt logprobs."""
         return (
-            attends_token_by_token(layout)
+            attends_token_by_token(layout, self.chunk_runs)
             and not layout.prompt_logprob_rows.rows
             and (self.max_tokens is None or len(layout.input_ids) <= self.max_tokens)
         )
@@ -281,4 +284,14 @@ def fused_decode_runner(eager: StepRunner, kernels: ModuleType) -> FusedDecodeRu
     max_tokens = most_tokens(eager.model)
     size = "any size" if max_tokens is None else f"up to {max_tokens} tokens"
     logger.info("decode steps of %s run their %d layers in one call", size, layers.num_layers)
-    return FusedDecodeRunner(eager, layers, max_tokens)
+    return FusedDecodeRunner(eager, layers, max_tokens, attends_chunk_runs(eager.model, kernels))
+
+
+def attends_chunk_runs(model: torch.nn.Module, kernels: ModuleType) -> bool:
+    """Whether the paged-decode kernel attends a request's tokens in a row as one chunk over
+    this model's KV cache (bf16, the head and block sizes its tiles take)."""
+    attn = cast(LlamaDecoderLayer, cast(LlamaForCausalLM, model).model.layers[0]).self_attn
+    k_cache = attn.attn.k_cache
+    assert k_cache is not None, "checked by `fused_layers`"
+    query = torch.empty(0, attn.num_heads, attn.head_dim, dtype=k_cache.dtype)  # [0, H, D]
+    return kernels.paged_chunk_attention_takes(query, k_cache)

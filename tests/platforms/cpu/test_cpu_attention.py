@@ -13,7 +13,12 @@ from nanoserve.core.attention.reference import (
     write_kv,
 )
 from nanoserve.core.step_layout import StepLayout
-from nanoserve.platforms.cpu.attention import CpuKernelAttention, attends_token_by_token
+from nanoserve.platforms.cpu.attention import (
+    CpuKernelAttention,
+    CpuKernelMetadata,
+    attends_token_by_token,
+    with_token_contexts,
+)
 from nanoserve.platforms.cpu.fast_paths import CpuPaths
 
 CPU = torch.device("cpu")
@@ -258,3 +263,58 @@ def test_chunks_attend_token_by_token_while_their_tokens_see_few_keys(
 ):
     layout = StepLayout(query_lens=query_lens, seq_lens=seq_lens)
     assert attends_token_by_token(layout) == one_by_one
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "one_by_one"),
+    [
+        ([17], [1500], True),  # 17 new tokens over a long document: one run
+        ([128], [5000], True),  # a run's most rows
+        ([129], [5000], False),  # more
+        ([100, 1], [100, 3000], True),  # a cold prompt as one run, and a decode
+        ([129, 1], [129, 50], False),
+    ],
+)
+def test_chunks_of_up_to_a_runs_rows_attend_token_by_token_where_runs_are_chunks(
+    query_lens, seq_lens, one_by_one
+):
+    layout = StepLayout(query_lens=query_lens, seq_lens=seq_lens)
+    assert attends_token_by_token(layout, chunk_runs=True) == one_by_one
+
+
+def chunk_over_a_cached_prefix(cache_dtype: torch.dtype):
+    """40 new tokens over 600 cached, in shuffled blocks of 16: (q, k, v, caches, layout,
+    the reference metadata)."""
+    torch.manual_seed(5)
+    block_size, num_blocks, heads, kv_heads, head_dim = 16, 48, 4, 2, 64
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(cache_dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(cache_dtype)
+    table = torch.randperm(num_blocks)[:40].tolist()
+    slots = [table[p // block_size] * block_size + p % block_size for p in range(600, 640)]
+    meta = build_reference_metadata([40], [640], [table], slots, block_size, CPU)
+    q = torch.randn(40, heads, head_dim, dtype=torch.bfloat16)
+    k, v = (torch.randn(40, kv_heads, head_dim).to(cache_dtype) for _ in range(2))
+    layout = StepLayout(query_lens=[40], seq_lens=[640])
+    return q, k, v, k_cache, v_cache, layout, meta
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_a_chunk_sent_token_by_token_for_its_run_attends_as_the_gathered_chunk(
+    kernels, cache_dtype
+):
+    """Sent to the kernel as one run (bf16: the prompt kernel over the paged cache), or, where
+    the kernel cannot attend runs on the cache (FP8), over the gathered context: either way
+    what the reference path gives, bit for bit."""
+    q, k, v, k_cache, v_cache, layout, meta = chunk_over_a_cached_prefix(cache_dtype)
+    backend = CpuKernelAttention(kernels)
+    runs = kernels.prompt_attention_is_available()
+    run_meta = with_token_contexts(meta, layout, chunk_runs=runs)
+    assert (run_meta.token_contexts is not None) == run_meta.needs_runs == runs
+    takes = kernels.paged_chunk_attention_takes(q, k_cache)
+    assert takes == (runs and cache_dtype == torch.bfloat16)
+    caches = (k_cache.clone(), v_cache.clone())
+    got = backend.forward(q, k, v, k_cache, v_cache, run_meta, 0.125)
+    plain = CpuKernelMetadata(**{f: getattr(meta, f) for f in meta.__dataclass_fields__})
+    expected = backend.forward(q, k, v, *caches, plain, 0.125)  # over the gathered context
+    assert torch.equal(got, expected)
+    assert torch.equal(k_cache.view(torch.uint8), caches[0].view(torch.uint8))  # same writes

@@ -13,6 +13,7 @@ from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.engine_setup import build_engine
 from nanoserve.platforms.cpu import linear as cpu_linear
+from nanoserve.platforms.cpu.attention import RUN_CHUNK_TOKENS
 from nanoserve.platforms.cpu.fused_decode import GEMV_STEP_TOKENS, FusedDecodeRunner, layer_spans
 from nanoserve.platforms.cpu.linear import packing_works
 
@@ -126,12 +127,13 @@ def fused_runner(engine) -> FusedDecodeRunner:
 def test_prompt_chunks_and_steps_past_a_gemvs_size_go_to_the_eager_runner(
     tmp_path, quantization, counted_fused_steps
 ):
-    engine = build(make_tiny_checkpoint(tmp_path, "qwen3"), quantization=quantization)
-    prompts = [[i + 1] * (40 + i) for i in range(GEMV_STEP_TOKENS + 1)]
-    # Nine prefills (eager: their tokens see more keys than the kernel attends one by one),
-    # a decode step of all nine (eager where the linears' decode
-    # products are GEMVs: one token more than they take), then steps of 8, 7, ... 1 as the
-    # requests finish one by one.
+    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
+    engine = build(checkpoint, quantization=quantization, max_model_len=256)
+    prompts = [[i + 1] * (RUN_CHUNK_TOKENS + 1 + i) for i in range(GEMV_STEP_TOKENS + 1)]
+    # Nine prefills (eager: each more tokens than the kernel attends as a run, whose tokens see
+    # more keys than it attends one by one), a decode step of all nine (eager where the
+    # linears' decode products are GEMVs: one token more than they take), then steps of 8, 7,
+    # ... 1 as the requests finish one by one.
     run(engine, prompts, max_tokens=2)
     first = len(prompts) if fused_runner(engine).max_tokens is None else GEMV_STEP_TOKENS
     assert counted_fused_steps == list(range(first, 0, -1))
@@ -249,15 +251,21 @@ def test_short_prompt_chunks_go_fused_and_give_the_eager_runners_logprobs(
     assert counted_fused_steps == [1]  # the prompt, whose logprobs it scores, ran eager
 
 
-def test_longer_prompts_go_fused_while_their_tokens_see_few_keys(tmp_path, counted_fused_steps):
-    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")
-    fused = build(checkpoint)
-    eager = build(checkpoint, enforce_eager=True)
+def test_longer_prompts_go_fused_while_their_tokens_see_few_keys_or_make_one_run(
+    tmp_path, counted_fused_steps, kernels
+):
+    checkpoint = make_tiny_checkpoint(tmp_path, "qwen3")  # head dims of 32: runs where built
+    fused = build(checkpoint, max_model_len=256)
+    eager = build(checkpoint, max_model_len=256, enforce_eager=True)
     rng = random.Random(2)
-    # 40 tokens: 820 (token, key) pairs, attended token by token; 100 tokens: 5,050, by SDPA.
-    for length in (40, 100):
+    # 40 tokens: 820 (token, key) pairs, attended token by token; 100 tokens: 5,050, too many
+    # one by one but one run of the kernel's chunks; 140: more than a run takes.
+    for length in (40, 100, 140):
         prompt = [rng.randrange(0, 256) for _ in range(length)]
         assert run(fused, [prompt], max_tokens=3) == run(eager, [prompt], max_tokens=3)
-    most = fused_runner(fused).max_tokens  # None where oneDNN takes the products of any size
+    runner = fused_runner(fused)
+    most = runner.max_tokens  # None where oneDNN takes the products of any size
+    assert runner.chunk_runs == kernels.prompt_attention_is_available()  # bf16, blocks of 16
     assert (40 in counted_fused_steps) == (most is None)
-    assert 100 not in counted_fused_steps
+    assert (100 in counted_fused_steps) == (most is None and runner.chunk_runs)
+    assert 140 not in counted_fused_steps

@@ -40,6 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_prefetch", &gemv_prefetch, "the GEMVs' prefetch distance in bytes");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per request attending over its paged K/V context");
+  m.def("paged_chunk_attention_takes", &paged_chunk_attention_takes,
+        "(query [T, H, D], k_cache) -> whether paged_decode_attention attends a request's "
+        "tokens in a row as one chunk on these (bf16, head dims of 32k, blocks of 16k, built "
+        "with the prompt kernel)");
   m.def("store_kv", &store_kv, "[T, Hkv, D] keys and values into their slots of the caches");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [T, H, D], weight optional");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] (gate, then up) -> [T, I]");
