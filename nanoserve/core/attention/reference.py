@@ -104,9 +104,20 @@ class ReferenceAttention(AttentionBackend):
         meta: ReferenceMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attend = (self.attend_decodes, self.attend_chunk)  # kernels a subclass may bring
         return paged_attention(q, k_cache, v_cache, meta, scale, (k, v), *attend)
+
+    def store_kv(
+        self,
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T]
+    ) -> None:
+        """How the step's keys and values go into the pool (subclasses may bring a kernel)."""
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def attend_decodes(
         self,
