@@ -77,10 +77,12 @@ struct TaskScratch {
   AlignedBuffer<float> out;           // [M, D]
   AlignedBuffer<float> row_max, row_sum;  // [M] (row_max in log2 units, scaled)
   AlignedBuffer<int64_t> widths;          // [M / 4]: keys of the block each 4 rows see
+  AlignedBuffer<int64_t> ends;            // [M]: the keys each row sees in all (0: padding)
   AlignedBuffer<bf16> keys, values;       // [KEY_BLOCK * D] each: a block packed from the cache
   void reserve(int64_t M, int64_t D) {
     queries.reserve(M * D), scores.reserve(M * KEY_BLOCK), probabilities.reserve(M * KEY_BLOCK);
     out.reserve(M * D), row_max.reserve(M), row_sum.reserve(M), widths.reserve(M / 4);
+    ends.reserve(M);
     keys.reserve(KEY_BLOCK * D), values.reserve(KEY_BLOCK * D);
   }
 };
@@ -305,9 +307,9 @@ void softmax_row(const float* scores, int64_t visible, int64_t width, float scal
       _mm256_storeu_si256(at, _mm256_setzero_si256());
       continue;
     }
-    const __mmask16 seen = left >= 16 ? 0xffff : (1u << left) - 1;
     const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + j), scale, shift);
-    const __m512 p = _mm512_maskz_mov_ps(seen, exp2_16(x));
+    __m512 p = exp2_16(x);
+    if (left < 16) p = _mm512_maskz_mov_ps((1u << left) - 1, p);  // the masked keys' zeros
     sum = _mm512_add_ps(sum, p);
     _mm256_storeu_si256(at, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
   }
@@ -391,11 +393,12 @@ void attend_block(const Chunk& c, int64_t kv_head, int64_t block, TaskScratch& w
   std::fill(w.out.data, w.out.data + M * D, 0.f);
   const int64_t offset = c.K - c.Q;  // keys before the chunk's first query
   const int64_t last_key = offset + first + count - 1;
+  for (int64_t g = 0; g < group; ++g)  // the keys each row sees (0: a padding row)
+    for (int64_t i = 0; i < R; ++i) w.ends.data[g * R + i] = i < count ? offset + first + i + 1 : 0;
   for (int64_t kb = 0; kb <= last_key / KEY_BLOCK; ++kb) {
     const int64_t key0 = kb * KEY_BLOCK, keys = std::min(KEY_BLOCK, c.K - key0);
     const auto seen = [&](int64_t r) {  // how many of the block's keys row r sees
-      if (r % R >= count) return int64_t{0};  // a padding row past the chunk's end
-      return std::min(keys, offset + first + r % R + 1 - key0);
+      return std::clamp<int64_t>(w.ends.data[r] - key0, 0, keys);
     };
     for (int64_t i = 0; i < M; i += 4) {  // the last real row of 4 (one head's) sees the most
       const int64_t most = std::max({seen(i), seen(i + 1), seen(i + 2), seen(i + 3)});
