@@ -76,10 +76,26 @@ def chunk_attention(
     return out[0].transpose(0, 1)  # [Q, H, D] (SDPA's own layout: contiguous)
 
 
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T]: flat slot (block_id * block_size + offset) per token
+) -> None:
+    """Store each token's key and value in its slot of the pool."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if k_cache.element_size() == 1:  # fp8 (K and V already are): CPU has no fp8 index_copy_
+        k, v, k_cache, v_cache = (t.view(torch.uint8) for t in (k, v, k_cache, v_cache))
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
 class ReferenceAttention(AttentionBackend):
     """Index-copy the new K/V into their slots, then attend with plain torch ops."""
 
     name = "reference"
+    store_kv = staticmethod(write_kv)  # how the new K/V enter the pool (subclasses: kernels)
     attend_chunk = staticmethod(chunk_attention)  # how a prompt chunk attends (subclasses: kernels)
 
     def build_metadata(
@@ -107,17 +123,6 @@ class ReferenceAttention(AttentionBackend):
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attend = (self.attend_decodes, self.attend_chunk)  # kernels a subclass may bring
         return paged_attention(q, k_cache, v_cache, meta, scale, (k, v), *attend)
-
-    def store_kv(
-        self,
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        slot_mapping: torch.Tensor,  # [T]
-    ) -> None:
-        """How the step's keys and values go into the pool (subclasses may bring a kernel)."""
-        write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def attend_decodes(
         self,
@@ -179,21 +184,6 @@ def _with_masks(meta: ReferenceMetadata, block_size: int) -> ReferenceMetadata:
         key_positions = torch.arange(num_keys, device=device)
         meta.prompt_masks.append(key_positions[None, :] <= query_positions[:, None])  # [Q, K]
     return meta
-
-
-def write_kv(
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T]: flat slot (block_id * block_size + offset) per token
-) -> None:
-    """Store each token's key and value in its slot of the pool."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    if k_cache.element_size() == 1:  # fp8 (K and V already are): CPU has no fp8 index_copy_
-        k, v, k_cache, v_cache = (t.view(torch.uint8) for t in (k, v, k_cache, v_cache))
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(
