@@ -122,6 +122,22 @@ def test_silu_mul_rounds_ties_to_even_and_keeps_nan_and_overflow_as_the_plain_op
         torch.testing.assert_close(got, torch.tensor(expected), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("special", [None, float("nan"), 1e-39])
+def test_a_vectors_ties_round_to_even_with_or_without_a_nan_or_subnormal_lane(toggle, special):
+    """Whole 16-lane vectors of ties (silu(24) = 24 exactly, so the product is exact in float32
+    and halfway between two bf16 values): rounded by the CPU's conversion where no lane is a
+    NaN or a subnormal, by PyTorch's own rounding where one is; the same bits either way."""
+    ups = [1.0234375, 1.0078125, 1.0546875, 1.0390625] * 8  # [32]: two vectors' worth
+    gates = [24.0] * 32
+    if special is not None:
+        gates[21] = special  # in the second vector only
+    gate_up = torch.tensor([gates + ups], dtype=torch.bfloat16)  # [1, 2 * 32]
+    plain, fused = toggle(lambda ops: ops.silu_mul(gate_up))  # [1, 32]
+    torch.testing.assert_close(fused, plain, rtol=0, atol=0, equal_nan=True)
+    ties = torch.tensor([24.5, 24.25, 25.25, 25.0] * 4)
+    assert torch.equal(fused[0, :16].float(), ties)  # to the even neighbour
+
+
 def test_the_mlp_takes_the_fused_silu_mul(toggle):
     torch.manual_seed(0)
     config = SimpleNamespace(hidden_size=64, intermediate_size=160)  # what the MLP reads

@@ -52,7 +52,7 @@ inline __m512i add_pair_products(__m512i acc, __m512i a, __m512i b) {
 
 #ifdef __AVX512BF16__
 // v rounded to bf16 in the low half of each 32-bit lane, as bf16_lanes (below) does 8: PyTorch's
-// rounding. Not AVX512-BF16's conversion instruction, which flushes denormals to zero.
+// rounding, for every value (AVX512-BF16's conversion instruction flushes subnormals to zero).
 inline __m512i bf16_lanes16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -61,14 +61,23 @@ inline __m512i bf16_lanes16(__m512 v) {
   const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_mask_blend_epi32(is_nan, rounded, _mm512_set1_epi32(0x7fc0));
 }
+// v as 16 bf16 rounded as PyTorch rounds them: AVX512-BF16's conversion (to nearest, ties to
+// even, as PyTorch) wherever no lane is a NaN or a subnormal, which the instruction quiets its
+// own way or flushes to zero; bf16_lanes16 where one is.
+inline __m256i bf16_halves16(__m512 v) {
+  constexpr int NAN_OR_SUBNORMAL = 0x01 | 0x20 | 0x80;  // quiet NaN, subnormal, signaling NaN
+  if (_mm512_fpclass_ps_mask(v, NAN_OR_SUBNORMAL) == 0)
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_cvtepi32_epi16(bf16_lanes16(v));
+}
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_lanes16(v)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_halves16(v));
 }
 // v rounded to T's precision, as a float32 again.
 inline __m512 round_to(float*, __m512 v) { return v; }
 inline __m512 round_to(at::BFloat16*, __m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_lanes16(v), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_halves16(v)), 16));
 }
 #endif
 
