@@ -39,9 +39,12 @@ class RejectionSampler:
         # logits: [N, V] float32, N = requests + drafts; request r's rows are its last known
         # token then one per draft (`first_rows[r]` onwards).
         first_rows = _first_rows(draft_token_ids)
-        next_drafts = _next_draft_per_row(draft_token_ids, logits.device)  # [N], -1: none
-        accepted, recovered = self._accept_and_recover(logits, batch, next_drafts)
-        accepted_host, recovered_host = (t.tolist() for t in to_host(accepted, recovered))
+        if batch.all_greedy:
+            accepted_host, recovered_host = self._greedy_verdicts(logits, batch, draft_token_ids)
+        else:
+            next_drafts = _next_draft_per_row(draft_token_ids, logits.device)  # [N], -1: none
+            accepted, recovered = self._accept_and_recover(logits, batch, next_drafts)
+            accepted_host, recovered_host = (t.tolist() for t in to_host(accepted, recovered))
         token_ids: list[list[int]] = []
         emitted_rows: list[int] = []
         self.num_accepted = []
@@ -55,17 +58,27 @@ class RejectionSampler:
             self.num_accepted.append(num_accepted)
         return token_ids, self._logprobs(logits, batch, first_rows, token_ids, emitted_rows)
 
+    def _greedy_verdicts(
+        self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: list[list[int]]
+    ) -> tuple[list[bool], list[int]]:
+        """`_accept_and_recover` where every row is greedy: a draft holds where it is the
+        argmax, which is also the token emitted; compared on the host, the argmax the only
+        tensor work (a verify step of a small model is a millisecond: a few ops count)."""
+        argmax = row_argmax(self.sampler.process_logits(logits, batch))  # [N]
+        recovered = to_host(argmax)[0].tolist()
+        next_drafts = [t for drafts in draft_token_ids for t in [*drafts, -1]]  # -1: no draft
+        return [d == a for d, a in zip(next_drafts, recovered, strict=True)], recovered
+
     def _accept_and_recover(
         self, logits: torch.Tensor, batch: SamplingBatch, next_drafts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: is its next draft accepted, and the token emitted if not (or the bonus)."""
+        """Per row: is its next draft accepted, and the token emitted if not (or the bonus);
+        some rows random."""
         processed = self.sampler.process_logits(logits, batch)  # [N, V], -inf where filtered
         argmax = row_argmax(processed)  # [N]
         has_draft = next_drafts >= 0
         draft_ids = next_drafts.clamp(min=0).unsqueeze(1)  # [N, 1]
         greedy_accepted = has_draft & (argmax == next_drafts)
-        if batch.all_greedy:
-            return greedy_accepted, argmax
         probs = processed.softmax(dim=-1)  # [N, V]
         draft_probs = probs.gather(1, draft_ids).squeeze(1)  # [N]
         random_accepted = has_draft & (self._uniforms(batch, probs) < draft_probs)
