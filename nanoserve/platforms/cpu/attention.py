@@ -6,9 +6,9 @@ The reference path gathers every decode request's keys and values out of the pag
 them to the longest context and runs PyTorch's ops over the copies: at a decode step's sizes
 that costs more in copies and dispatch than in arithmetic. The kernel reads each key and value
 row where it lies in the cache, once for all the query heads that share it, in float32 (an FP8
-cache's rows widened as they are read). Such a step's new keys and values go into the cache
-through the kernels' `store_kv` too (a byte copy per token: `index_copy_`'s set-up costs more
-than the copy at these sizes).
+cache's rows widened as they are read). Every step's new keys and values go into the cache
+through the kernels' `store_kv` (a byte copy per token: `index_copy_`'s set-up costs more than
+the copy at a decode step's sizes, and it is slower at a long prompt's too).
 
 A short prompt chunk after a long cached prefix (an editor's next keystroke: a few new tokens
 over a whole document) is the same shape as a few decode tokens: each of its tokens attends over
@@ -116,8 +116,8 @@ class CpuKernelAttention(ReferenceAttention):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         slot_mapping: torch.Tensor,  # [T]
     ) -> None:
-        """A byte copy per token through the kernels, as `write_kv` does (`index_copy_` takes
-        ~1 ms for a 1,500-token chunk's keys of the 0.6B shape; this, a tenth of that)."""
+        """What `write_kv` does, as a byte copy per token through the kernels (see above),
+        for decode tokens and prompt chunks alike."""
         if k.device.type != "cpu" or not all(has_token_rows(t) for t in (k, v)):
             return super().store_kv(k, v, k_cache, v_cache, slot_mapping)
         self.kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
