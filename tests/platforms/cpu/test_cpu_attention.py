@@ -245,6 +245,19 @@ def test_store_kv_writes_what_index_copy_writes(kernels, dtype):
         kernels.store_kv(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 24]))
 
 
+def test_the_backend_stores_keys_whose_heads_are_apart_as_the_reference_does(kernels):
+    """The kernel copies whole token rows; keys whose heads are not side by side in a token
+    (here each head's dims strided) go through `write_kv` instead of being refused."""
+    torch.manual_seed(2)
+    k = torch.randn(5, 16, 2).transpose(1, 2)  # [T, Hkv, D], dims 2 apart
+    v = torch.randn(5, 2, 16)
+    slots = torch.tensor([3, 17, 4, 23, 0])
+    caches = [torch.zeros(6, 4, 2, 16) for _ in range(4)]
+    CpuKernelAttention(kernels).store_kv(k, v, caches[0], caches[1], slots)
+    write_kv(k, v, caches[2], caches[3], slots)
+    assert all(torch.equal(a, b) for a, b in zip(caches[:2], caches[2:], strict=False))
+
+
 @pytest.mark.parametrize(
     ("query_lens", "seq_lens", "one_by_one"),
     [
