@@ -71,20 +71,23 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
     )
     paths = with_kv_cache_dtype(paths, config.kv_cache_dtype, config.calculate_kv_scales)
     if config.speculative_config is not None:
-        paths = dataclasses.replace(paths, speculator=speculator_for(config))
+        paths = dataclasses.replace(paths, speculator=speculator_for(config, paths.row_argmax))
     if tp.size > 1 and tp.is_first:
         paths = with_step_broadcast(paths, StepBroadcaster(tp, device))
     return paths
 
 
-def speculator_for(config: EngineConfig) -> Callable[[torch.device, int, int], Speculator]:
+def speculator_for(
+    config: EngineConfig, argmax: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.device, int, int], Speculator]:
     """Speculative decoding's speculator, built once the engine knows its vocabulary and
-    max_model_len (the draft model's engine takes them)."""
+    max_model_len (the draft model's engine takes them); its rejection sampler finds rows'
+    largest values with the platform's `argmax`, as the engine's sampler does."""
 
     def build(device: torch.device, vocab_size: int, max_model_len: int) -> Speculator:
         from nanoserve.spec_decode import build_speculator
 
-        return build_speculator(config, device, vocab_size, max_model_len)
+        return build_speculator(config, device, vocab_size, max_model_len, argmax)
 
     return build
 

@@ -86,10 +86,8 @@ class BlockPool:
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks nobody uses go to the tail of the queue.
-
         Callers pass a request's blocks in reverse, so its last blocks (the longest, least
-        shareable prefixes) are evicted before its first ones.
-        """
+        shareable prefixes) are evicted before its first ones."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             block.ref_count -= 1

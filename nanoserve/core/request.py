@@ -68,10 +68,8 @@ class Request:
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (unverified)
 
     def is_grammar_pending(self) -> bool:
-        """True while the request's grammar is being built (it cannot run yet).
-
-        Once built, it moves into `grammar`; a grammar that failed to build raises ValueError.
-        """
+        """True while the request's grammar is being built (it cannot run yet); once built, it
+        moves into `grammar` (a grammar that failed to build raises ValueError)."""
         future = self.grammar_future
         if future is None:
             return False
@@ -110,12 +108,9 @@ class Request:
 
     @property
     def max_cached_prefix_tokens(self) -> int:
-        """How many leading tokens a prefix-cache hit may cover.
-
-        Never the last token: it must run to give the logits to sample from. Nor a prompt
-        position whose logprobs are still to be computed: only the rows that run give logits,
-        so such a position is recomputed, not read from the cache.
-        """
+        """How many leading tokens a prefix-cache hit may cover: never the last token (it must
+        run to give the logits to sample from), nor a prompt position whose logprobs are still
+        to be computed (only the rows that run give logits: it is recomputed, not read)."""
         if self.needs_prompt_logprobs:
             return self.num_scored_prompt_tokens
         return self.num_tokens - 1

@@ -23,6 +23,7 @@ generator, so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,8 @@ class SamplerOutput:
 class Sampler:
     """Picks the next token of every request in one vectorised pass (see the module docstring)."""
 
+    argmax: Callable[[torch.Tensor], torch.Tensor] = staticmethod(row_argmax)  # FastPaths' own
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # logits: [B, V] float32, the last position of each request
         if tuple(logits.shape) != (batch.num_reqs, batch.vocab_size):
@@ -67,12 +70,12 @@ class Sampler:
         if batch.grammar_masks is not None:
             logits = apply_grammar_masks(logits, batch.grammar_masks)
         if batch.all_greedy:
-            token_ids = row_argmax(logits)  # [B]
+            token_ids = self.argmax(logits)  # [B]
         else:
             probs = self.apply_warpers(logits, batch).softmax(dim=-1)  # [B, V]
-            token_ids = row_argmax(probs / self.exponential_noise(probs, batch))  # [B]
+            token_ids = self.argmax(probs / self.exponential_noise(probs, batch))  # [B]
             if batch.is_greedy is not None:
-                token_ids = torch.where(batch.is_greedy, row_argmax(logits), token_ids)
+                token_ids = torch.where(batch.is_greedy, self.argmax(logits), token_ids)
 
         if raw_logprobs is None:
             return SamplerOutput(

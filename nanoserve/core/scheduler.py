@@ -126,10 +126,8 @@ class Scheduler:
         return drafts
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in order while the budget, max_num_seqs and blocks allow.
-
-        A request whose grammar is still being built keeps its place and is passed over.
-        """
+        """Admit waiting requests in order while the budget, max_num_seqs and blocks allow (a
+        request whose grammar is still being built keeps its place and is passed over)."""
         passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]

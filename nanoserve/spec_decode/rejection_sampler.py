@@ -18,6 +18,8 @@ A seeded request draws its uniforms and noise from its own generator, in row ord
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nanoserve.common.protocol import TokenLogprobs
@@ -29,8 +31,9 @@ from nanoserve.core.speculation import Verified
 class RejectionSampler:
     """Verifies one step's drafts in one vectorised pass over every sampling row."""
 
-    def __init__(self) -> None:
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = row_argmax) -> None:
         self.sampler = Sampler()
+        self.sampler.argmax = argmax  # the platform's, as the engine's sampler has
         self.num_accepted: list[int] = []  # per request of the last call: drafts accepted
 
     def __call__(
@@ -64,7 +67,7 @@ class RejectionSampler:
         """`_accept_and_recover` where every row is greedy: a draft holds where it is the
         argmax, which is also the token emitted; compared on the host, the argmax the only
         tensor work (a verify step of a small model is a millisecond: a few ops count)."""
-        argmax = row_argmax(self.sampler.process_logits(logits, batch))  # [N]
+        argmax = self.sampler.argmax(self.sampler.process_logits(logits, batch))  # [N]
         recovered = to_host(argmax)[0].tolist()
         next_drafts = [t for drafts in draft_token_ids for t in [*drafts, -1]]  # -1: no draft
         return [d == a for d, a in zip(next_drafts, recovered, strict=True)], recovered
@@ -75,7 +78,7 @@ class RejectionSampler:
         """Per row: is its next draft accepted, and the token emitted if not (or the bonus);
         some rows random."""
         processed = self.sampler.process_logits(logits, batch)  # [N, V], -inf where filtered
-        argmax = row_argmax(processed)  # [N]
+        argmax = self.sampler.argmax(processed)  # [N]
         has_draft = next_drafts >= 0
         draft_ids = next_drafts.clamp(min=0).unsqueeze(1)  # [N, 1]
         greedy_accepted = has_draft & (argmax == next_drafts)
@@ -84,7 +87,7 @@ class RejectionSampler:
         random_accepted = has_draft & (self._uniforms(batch, probs) < draft_probs)
         # max(p - q, 0) with q one-hot on the draft: p with the draft token removed.
         residual = probs.scatter(1, draft_ids, 0.0).where(has_draft.unsqueeze(1), probs)
-        recovered = row_argmax(residual / self.sampler.exponential_noise(probs, batch))
+        recovered = self.sampler.argmax(residual / self.sampler.exponential_noise(probs, batch))
         if batch.is_greedy is None:
             return random_accepted, recovered
         return (

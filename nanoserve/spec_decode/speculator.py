@@ -188,13 +188,14 @@ class AdaptiveSpeculator(Speculator):
         config: SpeculativeConfig,
         costs: StepCosts | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        rejection_sampler: RejectionSampler | None = None,
     ) -> None:
         self.proposer = proposer
         self.num_speculative_tokens = config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
         self.costs = costs or StepCosts()
         self.clock = clock
-        self.rejection_sampler = RejectionSampler()
+        self.rejection_sampler = rejection_sampler or RejectionSampler()
         self.histories: dict[str, tuple[Request, DraftHistory]] = {}
         self.in_flight: StepInFlight | None = None
         self.totals = SpecDecodeStats(num_accepted_per_position=[0] * config.num_speculative_tokens)

@@ -68,5 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "was the library built for a CPU with AVX-512 BF16 (which every AMX CPU has)?");
   m.def("prompt_attention_uses_tiles", &prompt_attention_uses_tiles,
         "was the library built with AMX, and does the OS let this process use its tiles?");
+  m.def("row_argmax", &row_argmax,
+        "[B, V] float32 -> [B] int64: each row's first largest value's index (NaN above all)");
+  m.def("row_argmax_is_vectorized", &row_argmax_is_vectorized,
+        "has row_argmax a SIMD path (AVX-512)?");
   bind_decode_layers(m);
 }

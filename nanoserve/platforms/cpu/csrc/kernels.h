@@ -93,5 +93,9 @@ void paged_chunk_attention(const at::Tensor& query, const at::Tensor& k_cache,
                            const at::Tensor& seq_lens, const std::vector<TokenRun>& runs,
                            double scale, at::Tensor& out);
 
+// row_argmax.cpp
+at::Tensor row_argmax(at::Tensor x);
+bool row_argmax_is_vectorized();
+
 // decode_layers.cpp: the DecodeLayers class
 void bind_decode_layers(pybind11::module& m);
