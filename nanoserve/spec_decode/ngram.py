@@ -5,6 +5,12 @@ and find their most recent earlier occurrence in its own tokens (prompt and outp
 followed by a whole draft (else the earliest); the tokens that followed it are the draft.
 Editing and autocomplete repeat text already in the prompt, so these drafts are often right,
 and cost no model.
+
+A lookup runs every step for every decoding request, so it must cost a small share of a step
+(on a small model, a step is about a millisecond): each request's tokens are kept in a growing
+array (a step appends its new tokens, not the whole context again), and the places where the
+last 1, 2, ... n tokens occurred are narrowed in one pass, shortest first, stopping at the
+first length that no earlier place matches.
 """
 
 from __future__ import annotations
@@ -14,54 +20,87 @@ import numpy as np
 from nanoserve.core.request import Request
 
 
+class TokenArray:
+    """A request's tokens as an int64 array, grown by what each step appended."""
+
+    def __init__(self) -> None:
+        self.buffer = np.empty(256, dtype=np.int64)
+        self.length = 0
+
+    def sync(self, token_ids: list[int]) -> np.ndarray:
+        """The array of `token_ids` (whose first `length` are already in it)."""
+        if len(token_ids) < self.length:  # not the sequence it held: start over
+            self.length = 0
+        new = token_ids[self.length :]
+        if self.length + len(new) > len(self.buffer):
+            grown = np.empty(2 * (self.length + len(new)), dtype=np.int64)
+            grown[: self.length] = self.buffer[: self.length]
+            self.buffer = grown
+        self.buffer[self.length : self.length + len(new)] = new
+        self.length += len(new)
+        return self.buffer[: self.length]
+
+
 class NgramProposer:
     """Prompt lookup over each request's own tokens (vLLM's `ngram` method)."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
+        self.arrays: dict[str, TokenArray] = {}  # per running request
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
-        return [
-            self.propose_one(r.all_token_ids, n) for r, n in zip(requests, num_tokens, strict=True)
-        ]
+        drafts = []
+        for request, count in zip(requests, num_tokens, strict=True):
+            array = self.arrays.get(request.request_id)
+            if array is None:
+                array = self.arrays[request.request_id] = TokenArray()
+            drafts.append(self.draft(array.sync(request.all_token_ids), count))
+        return drafts
 
     def propose_one(self, token_ids: list[int], num_tokens: int) -> list[int]:
         """Up to `num_tokens` tokens that followed the longest recent match of the suffix."""
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        # Every earlier place of the last token: the only places an earlier n-gram can end.
-        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = best_earlier_match(tokens, n, num_tokens, ends)
-            if start >= 0:
-                return tokens[start + n : start + n + num_tokens].tolist()
-        return []
+        return self.draft(np.asarray(token_ids, dtype=np.int64), num_tokens)
+
+    def draft(self, tokens: np.ndarray, num_tokens: int) -> list[int]:
+        """`propose_one` over the tokens as an array."""
+        start, n = longest_earlier_match(tokens, self.min_n, self.max_n, num_tokens)
+        if start < 0:
+            return []
+        return tokens[start + n : start + n + num_tokens].tolist()
 
     def finish(self, request: Request) -> None:
-        """Nothing kept per request."""
+        """Drop the request's token array."""
+        self.arrays.pop(request.request_id, None)
 
     def close(self) -> None:
-        """Nothing to release."""
+        self.arrays.clear()
 
 
-def best_earlier_match(
-    tokens: np.ndarray, n: int, num_tokens: int, ends: np.ndarray | None = None
-) -> int:
-    """Where the last n tokens occurred before, or -1: the most recent occurrence with
-    `num_tokens` known tokens after it, else the earliest (in a repeating run, the most recent
-    occurrence is just behind the suffix and leaves too little to draft).
+def longest_earlier_match(
+    tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int
+) -> tuple[int, int]:
+    """(start, n) of the longest suffix, min_n <= n <= max_n, that occurred before: its most
+    recent occurrence with `num_tokens` known tokens after it, else its earliest (in a
+    repeating run, the most recent occurrence is just behind the suffix and leaves too little
+    to draft); (-1, 0) if none.
 
-    `ends`: the earlier places of the last token (found if not given); each is checked
-    backwards, one token at a time, so a lookup reads the context once, not once per n-gram.
+    `ends` are the earlier places where the last n tokens end; each longer n keeps those whose
+    token n back matches too, so the context is read once, not once per n.
     """
     last = len(tokens) - 1
-    if ends is None:
-        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-    ends = ends[ends >= n - 1]  # whole n-grams only
-    for back in range(1, n):
-        ends = ends[tokens[ends - back] == tokens[last - back]]
-    if not len(ends):
-        return -1
-    starts = ends - (n - 1)
-    with_room = starts[starts + n + num_tokens <= len(tokens)]
-    return int(with_room[-1]) if len(with_room) else int(starts[0])
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # [matches of the last token]
+    best_ends, best_n = ends[:0], 0
+    for n in range(1, min(max_n, last) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]  # whole n-grams only
+            ends = ends[tokens[ends - (n - 1)] == tokens[last - (n - 1)]]
+        if not len(ends):
+            break
+        if n >= min_n:
+            best_ends, best_n = ends, n
+    if not best_n:
+        return -1, 0
+    starts = best_ends - (best_n - 1)
+    with_room = starts[starts + best_n + num_tokens <= len(tokens)]
+    return (int(with_room[-1]) if len(with_room) else int(starts[0])), best_n

@@ -104,11 +104,16 @@ class SuffixTrie:
         expected number of accepted tokens (the sum of its running probabilities), and the
         highest wins (ties: the longer match).
         """
+        nodes = list(suffix_nodes)
         best: tuple[list[int], float] = ([], 0.0)
-        for match_len, node in enumerate(suffix_nodes, start=1):
+        for match_len in range(len(nodes), 0, -1):  # longest first: a tie keeps the longer
             limit = min(max_tokens, int(factor * match_len))
-            draft, score = self.follow_likeliest(node, limit, min_prob)
-            if score >= best[1] and draft:
+            # A draft scores at most its length, and a node m deep drafts max_depth - m tokens:
+            # a walk that cannot beat the best so far is not taken.
+            if min(limit, self.max_depth - match_len) <= best[1]:
+                continue
+            draft, score = self.follow_likeliest(nodes[match_len - 1], limit, min_prob)
+            if score > best[1]:
                 best = (draft, score)
         return best
 
@@ -149,8 +154,10 @@ class GrowingSuffixTrie(SuffixTrie):
             opened = []
             for node in (ROOT, *self.open_nodes):
                 child = children[node].get(token_id)
-                if child is None:
-                    child = children[node][token_id] = self._new_node()
+                if child is None:  # a new node (a growing trie frees none to reuse)
+                    child = children[node][token_id] = len(counts)
+                    counts.append(0)
+                    children.append({})
                 counts[child] += 1
                 opened.append(child)
             self.open_nodes = opened[:keep]
