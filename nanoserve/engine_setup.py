@@ -25,6 +25,7 @@ from nanoserve.core.loader import resolve_device
 from nanoserve.core.model_runner import StepRunner
 from nanoserve.core.models.base import CausalLM
 from nanoserve.core.parallel import TensorParallel
+from nanoserve.core.sampler import SamplerOps
 from nanoserve.core.speculation import Speculator
 from nanoserve.distributed.step_broadcast import BroadcastingRunner, StepBroadcaster, follow
 from nanoserve.moe.models import moe_model_classes
@@ -71,23 +72,23 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
     )
     paths = with_kv_cache_dtype(paths, config.kv_cache_dtype, config.calculate_kv_scales)
     if config.speculative_config is not None:
-        paths = dataclasses.replace(paths, speculator=speculator_for(config, paths.row_argmax))
+        paths = dataclasses.replace(paths, speculator=speculator_for(config, paths.sampler_ops))
     if tp.size > 1 and tp.is_first:
         paths = with_step_broadcast(paths, StepBroadcaster(tp, device))
     return paths
 
 
 def speculator_for(
-    config: EngineConfig, argmax: Callable[[torch.Tensor], torch.Tensor]
+    config: EngineConfig, sampler_ops: SamplerOps
 ) -> Callable[[torch.device, int, int], Speculator]:
     """Speculative decoding's speculator, built once the engine knows its vocabulary and
-    max_model_len (the draft model's engine takes them); its rejection sampler finds rows'
-    largest values with the platform's `argmax`, as the engine's sampler does."""
+    max_model_len (the draft model's engine takes them); its rejection sampler takes the
+    platform's `sampler_ops`, as the engine's sampler does."""
 
     def build(device: torch.device, vocab_size: int, max_model_len: int) -> Speculator:
         from nanoserve.spec_decode import build_speculator
 
-        return build_speculator(config, device, vocab_size, max_model_len, argmax)
+        return build_speculator(config, device, vocab_size, max_model_len, sampler_ops)
 
     return build
 

@@ -106,7 +106,7 @@ class Engine:
             "attention: %s; step runners: %s", backend.name, ", ".join(r.name for r in runners)
         )
         runner = ModelRunner(runners, self.vocab_size, cache_config.block_size, self.device)
-        runner.sampler.argmax = fast_paths.row_argmax
+        runner.sampler.ops = fast_paths.sampler_ops
         return kv_cache, runner
 
     def _fit_max_model_len_to_kv_cache(self) -> None:

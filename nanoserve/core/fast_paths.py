@@ -15,7 +15,7 @@ every fast path is tested against (`--enforce-eager` keeps as much of it as the 
     step_runners       how a step's forward pass is launched (`model_runner.py`): CUDA graphs,
                        compiled decode, tensor-parallel broadcast, then the eager runner
     grammar_backend    structured output (`grammar.py`)
-    row_argmax         how the sampler finds each row's largest value (`sampler.py`)
+    sampler_ops        the sampler's passes over whole rows: argmax, a draw (`sampler.py`)
     speculator         speculative decoding: drafts proposed and verified (`speculation.py`)
     model_classes      architectures beyond the core's (`models/registry.py`): MoE models
 """
@@ -36,7 +36,7 @@ from nanoserve.core.kv_cache import KVCache, Zeros, portable_zeros
 from nanoserve.core.loader import WeightReader
 from nanoserve.core.model_runner import StepRunner
 from nanoserve.core.models.base import CausalLM
-from nanoserve.core.sampler import row_argmax
+from nanoserve.core.sampler import SamplerOps
 from nanoserve.core.speculation import Speculator
 
 
@@ -63,7 +63,7 @@ class FastPaths:
     grammar_backend: Callable[[Path, int, frozenset[int]], GrammarBackend] = (
         lambda tokenizer_dir, vocab_size, eos: NoGrammarBackend()
     )
-    row_argmax: Callable[[torch.Tensor], torch.Tensor] = row_argmax  # [B, V] -> [B]
+    sampler_ops: SamplerOps = field(default_factory=SamplerOps)
     # Drafts tokens and verifies them (device, vocab size, max_model_len); by default, none.
     speculator: Callable[[torch.device, int, int], Speculator] = (
         lambda device, vocab_size, max_model_len: Speculator()

@@ -5,8 +5,7 @@ The core knows no grammar engine. A backend (`nanoserve/structured_output`: llgu
 each constrained request's `Grammar` off the step loop (the scheduler admits the request once it
 is built) and, while a step's forward pass runs, fills the masks of the step's constrained rows
 (`GrammarMasks`), which the sampler adds to their logits. The scheduler advances each grammar
-by the tokens the request accepts.
-"""
+by the tokens the request accepts."""
 
 from __future__ import annotations
 

@@ -169,8 +169,7 @@ def checkpoint_tensors(model: nn.Module) -> CheckpointTargets:
 
     Layers that fuse or shard their weights say where each checkpoint tensor goes
     (`checkpoint_targets`). A tied lm_head shares the embedding's tensor, so only
-    `model.embed_tokens.weight` appears.
-    """
+    `model.embed_tokens.weight` appears."""
     destinations: CheckpointTargets = {}
     seen: set[int] = set()
     for module_name, module in model.named_modules():

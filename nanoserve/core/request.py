@@ -32,8 +32,7 @@ class Request:
     Counters, not flags: the scheduler only ever asks "how many of this request's tokens are
     not yet in the KV cache?" (`num_tokens - num_computed_tokens`). A fresh prompt, the next
     chunk of a long prompt, a prefix-cache hit and a decode step are all answered the same way.
-    Only the scheduler changes the counters and the block table.
-    """
+    Only the scheduler changes the counters and the block table."""
 
     def __init__(
         self,

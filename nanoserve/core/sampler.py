@@ -11,19 +11,19 @@ tensors) and calls `Sampler()(logits, batch)`. One vectorised pass, in this orde
     structured-output grammar forbids at -inf)                      ─▶ greedy rows: argmax here
         │
         ▼  warpers (they keep the argmax; they only shape the distribution)
-    temperature → top-k → top-p → min-p ─▶ softmax ─▶ argmax(probs / Exp(1) noise)
+    temperature → top-k → top-p → min-p ─▶ softmax ─▶ a token drawn by inverse transform
 
 The warper order is transformers' (`generate`) and vLLM v0's; vLLM v1 applies min-p before
 top-k/top-p, which gives a different result only when min-p and top-k/top-p are combined.
 
-`argmax(p / E)` with `E ~ Exp(1)` i.i.d. draws token i with probability p_i (it is the
-Gumbel-max trick, since -log E is Gumbel). A seeded request draws its noise from its own
-generator, so its tokens do not depend on what else is in the batch.
+A random row draws one uniform u and takes the first token whose running sum of p passes u:
+token i with probability p_i (one number per row, where the Gumbel-max trick, argmax(p / E)
+with E ~ Exp(1), draws one per token: on CPU the larger cost of a step). A seeded request
+draws u from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +35,20 @@ from nanoserve.core.sampling_batch import SamplingBatch
 _NEG_INF = float("-inf")
 
 
-def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
-    """Each row's argmax (first on ties, NaN above all), by `max`: on CPU its kernel is faster."""
-    return x.max(dim=-1).indices
+class SamplerOps:
+    """The sampler's two passes over whole rows, in PyTorch (a platform's kernels may replace
+    them: `FastPaths.sampler_ops`)."""
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
+        """Each row's argmax: the first of ties, a NaN above every number."""
+        return x.max(dim=-1).indices
+
+    def draw(self, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:  # -> [B]
+        """probs [B, V], uniforms [B] in [0, 1): per row the first token whose running sum of
+        probabilities (in float64) passes `uniforms` times the row's sum."""
+        sums = probs.double().cumsum(dim=-1)  # [B, V]
+        token = torch.searchsorted(sums, uniforms.unsqueeze(1) * sums[:, -1:], right=True)
+        return token[:, 0].clamp_(max=probs.shape[1] - 1)  # [B]
 
 
 @dataclass
@@ -51,7 +62,7 @@ class SamplerOutput:
 class Sampler:
     """Picks the next token of every request in one vectorised pass (see the module docstring)."""
 
-    argmax: Callable[[torch.Tensor], torch.Tensor] = staticmethod(row_argmax)  # FastPaths' own
+    ops = SamplerOps()  # the platform's (`FastPaths.sampler_ops`) where it has kernels
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # logits: [B, V] float32, the last position of each request
@@ -70,12 +81,12 @@ class Sampler:
         if batch.grammar_masks is not None:
             logits = apply_grammar_masks(logits, batch.grammar_masks)
         if batch.all_greedy:
-            token_ids = self.argmax(logits)  # [B]
+            token_ids = self.ops.argmax(logits)  # [B]
         else:
             probs = self.apply_warpers(logits, batch).softmax(dim=-1)  # [B, V]
-            token_ids = self.argmax(probs / self.exponential_noise(probs, batch))  # [B]
+            token_ids = self.ops.draw(probs, self.uniforms(batch, probs.device))  # [B]
             if batch.is_greedy is not None:
-                token_ids = torch.where(batch.is_greedy, self.argmax(logits), token_ids)
+                token_ids = torch.where(batch.is_greedy, self.ops.argmax(logits), token_ids)
 
         if raw_logprobs is None:
             return SamplerOutput(
@@ -129,14 +140,12 @@ class Sampler:
         return logits
 
     @staticmethod
-    def exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        # Greedy rows may keep uninitialised noise: their sampled token is replaced by argmax.
-        noise = torch.empty_like(probs)  # [B, V]
-        if batch.has_unseeded_random:
-            noise.exponential_()
+    def uniforms(batch: SamplingBatch, device: torch.device) -> torch.Tensor:  # [B] float64
+        """One U(0, 1) per row; seeded rows draw theirs from their request's generator."""
+        uniforms = torch.rand(batch.num_reqs, dtype=torch.float64, device=device)
         for row, generator in batch.seeded_rows:
-            noise[row].exponential_(generator=generator)
-        return noise
+            uniforms[row] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+        return uniforms
 
     @staticmethod
     def _with_logprobs(

@@ -3,8 +3,7 @@
 The runner flattens the scheduled tokens of every request into one sequence, one-token
 (decode) requests first so that attention can treat them apart from prompt chunks. The lists
 become device tensors for an eager forward pass (each attention backend builds its metadata
-from them), or go straight into a CUDA graph's buffers.
-"""
+from them), or go straight into a CUDA graph's buffers."""
 
 from __future__ import annotations
 

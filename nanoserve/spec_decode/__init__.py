@@ -10,12 +10,10 @@ draft_model.py        a smaller model with the same tokenizer, in its own engine
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from nanoserve.common.config import EngineConfig
-from nanoserve.core.sampler import row_argmax
+from nanoserve.core.sampler import SamplerOps
 from nanoserve.spec_decode.rejection_sampler import RejectionSampler
 from nanoserve.spec_decode.speculator import AdaptiveSpeculator, Proposer
 
@@ -25,10 +23,10 @@ def build_speculator(
     device: torch.device,
     vocab_size: int,
     max_model_len: int,
-    argmax: Callable[[torch.Tensor], torch.Tensor] = row_argmax,
+    sampler_ops: SamplerOps | None = None,
 ) -> AdaptiveSpeculator:
-    """The speculator `config.speculative_config` asks for (it must be set); `argmax`: the
-    rejection sampler's (the platform's, as the engine's sampler has)."""
+    """The speculator `config.speculative_config` asks for (it must be set); `sampler_ops`:
+    the rejection sampler's (the platform's, as the engine's sampler has)."""
     spec = config.speculative_config
     assert spec is not None
     proposer: Proposer
@@ -50,4 +48,4 @@ def build_speculator(
 
         assert spec.model is not None
         proposer = DraftModelProposer.build(config, spec.model, vocab_size, max_model_len)
-    return AdaptiveSpeculator(proposer, spec, rejection_sampler=RejectionSampler(argmax))
+    return AdaptiveSpeculator(proposer, spec, rejection_sampler=RejectionSampler(sampler_ops))

@@ -18,12 +18,10 @@ A seeded request draws its uniforms and noise from its own generator, in row ord
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from nanoserve.common.protocol import TokenLogprobs
-from nanoserve.core.sampler import Sampler, gather_token_logprobs, row_argmax, to_host
+from nanoserve.core.sampler import Sampler, SamplerOps, gather_token_logprobs, to_host
 from nanoserve.core.sampling_batch import SamplingBatch
 from nanoserve.core.speculation import Verified
 
@@ -31,9 +29,10 @@ from nanoserve.core.speculation import Verified
 class RejectionSampler:
     """Verifies one step's drafts in one vectorised pass over every sampling row."""
 
-    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = row_argmax) -> None:
+    def __init__(self, ops: SamplerOps | None = None) -> None:
         self.sampler = Sampler()
-        self.sampler.argmax = argmax  # the platform's, as the engine's sampler has
+        if ops is not None:  # the platform's, as the engine's sampler has
+            self.sampler.ops = ops
         self.num_accepted: list[int] = []  # per request of the last call: drafts accepted
 
     def __call__(
@@ -67,7 +66,7 @@ class RejectionSampler:
         """`_accept_and_recover` where every row is greedy: a draft holds where it is the
         argmax, which is also the token emitted; compared on the host, the argmax the only
         tensor work (a verify step of a small model is a millisecond: a few ops count)."""
-        argmax = self.sampler.argmax(self.sampler.process_logits(logits, batch))  # [N]
+        argmax = self.sampler.ops.argmax(self.sampler.process_logits(logits, batch))  # [N]
         recovered = to_host(argmax)[0].tolist()
         next_drafts = [t for drafts in draft_token_ids for t in [*drafts, -1]]  # -1: no draft
         return [d == a for d, a in zip(next_drafts, recovered, strict=True)], recovered
@@ -78,30 +77,23 @@ class RejectionSampler:
         """Per row: is its next draft accepted, and the token emitted if not (or the bonus);
         some rows random."""
         processed = self.sampler.process_logits(logits, batch)  # [N, V], -inf where filtered
-        argmax = self.sampler.argmax(processed)  # [N]
+        argmax = self.sampler.ops.argmax(processed)  # [N]
         has_draft = next_drafts >= 0
         draft_ids = next_drafts.clamp(min=0).unsqueeze(1)  # [N, 1]
         greedy_accepted = has_draft & (argmax == next_drafts)
         probs = processed.softmax(dim=-1)  # [N, V]
         draft_probs = probs.gather(1, draft_ids).squeeze(1)  # [N]
-        random_accepted = has_draft & (self._uniforms(batch, probs) < draft_probs)
+        accept_below = self.sampler.uniforms(batch, probs.device)  # [N]
+        random_accepted = has_draft & (accept_below < draft_probs)
         # max(p - q, 0) with q one-hot on the draft: p with the draft token removed.
         residual = probs.scatter(1, draft_ids, 0.0).where(has_draft.unsqueeze(1), probs)
-        recovered = self.sampler.argmax(residual / self.sampler.exponential_noise(probs, batch))
+        recovered = self.sampler.ops.draw(residual, self.sampler.uniforms(batch, probs.device))
         if batch.is_greedy is None:
             return random_accepted, recovered
         return (
             torch.where(batch.is_greedy, greedy_accepted, random_accepted),
             torch.where(batch.is_greedy, argmax, recovered),
         )
-
-    @staticmethod
-    def _uniforms(batch: SamplingBatch, probs: torch.Tensor) -> torch.Tensor:
-        """One U(0, 1) per row; seeded rows draw from their request's generator."""
-        uniforms = torch.rand(probs.shape[0], device=probs.device)  # [N]
-        for row, generator in batch.seeded_rows:
-            uniforms[row] = torch.rand((), device=probs.device, generator=generator)
-        return uniforms
 
     @staticmethod
     def _logprobs(

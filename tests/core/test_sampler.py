@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from nanoserve.common.sampling_params import SamplingParams
-from nanoserve.core.sampler import Sampler, row_argmax
+from nanoserve.core.sampler import Sampler, SamplerOps
 from nanoserve.core.sampling_batch import SamplingBatch, seeded_generator
 
 VOCAB = 64
@@ -211,7 +211,8 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_argmax_is_argmax_with_ties_infinities_and_nans(dtype):
+def test_the_ops_argmax_is_argmax_with_ties_infinities_and_nans(dtype):
+    row_argmax = SamplerOps().argmax
     generator = torch.Generator().manual_seed(0)
     rows = torch.randint(-2, 3, (64, 5000), generator=generator).to(dtype)  # many ties a row
     rows[3, [10, 4000]] = float("inf")
@@ -222,6 +223,12 @@ def test_row_argmax_is_argmax_with_ties_infinities_and_nans(dtype):
     assert torch.equal(row_argmax(rows), expected)
     wide = torch.randn(8, 151936, generator=generator).to(dtype)  # a vocabulary-wide batch
     assert torch.equal(row_argmax(wide), wide.argmax(dim=-1))
+
+
+def test_a_draw_takes_the_first_token_whose_running_sum_passes_the_uniform():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]]).expand(7, 6) * 3  # sums of 3
+    uniforms = torch.tensor([0.0, 0.2, 0.25, 0.5, 0.74, 0.75, 1 - 2**-53], dtype=torch.float64)
+    assert SamplerOps().draw(probs, uniforms).tolist() == [1, 1, 3, 3, 3, 4, 4]
 
 
 def test_all_greedy_batch_is_argmax_and_builds_no_tensors():

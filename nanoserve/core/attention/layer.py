@@ -45,8 +45,7 @@ class PagedAttention(nn.Module):
     """Attention over the paged KV cache.
 
     The engine binds `k_cache`, `v_cache` and `backend` after allocating the pool (`bind`);
-    until then calling the layer is an error.
-    """
+    until then calling the layer is an error."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()

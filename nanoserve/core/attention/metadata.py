@@ -21,8 +21,7 @@ M = TypeVar("M", bound="AttentionMetadata")
 class AttentionMetadata:
     """How the flat token batch of one step maps onto requests and KV slots.
 
-    B = number of requests in the step, T = total tokens.
-    """
+    B = number of requests in the step, T = total tokens."""
 
     slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block_id * block_size + offset) per token
     block_tables: torch.Tensor  # [B, max_blocks] int64: each request's blocks (padded with 0)

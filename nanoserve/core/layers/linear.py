@@ -9,8 +9,7 @@
 How a layer stores its weight and multiplies by it is its `method` (vLLM's "linear method"):
 `DENSE`, plain `F.linear`, unless a platform or plug-in installs another (CPU packing,
 int8, FP8). Each layer tells the loader which part of which checkpoint tensor fills each of its
-parameters (`checkpoint_targets`), so a rank reads only its shard.
-"""
+parameters (`checkpoint_targets`), so a rank reads only its shard."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ from nanoserve.core.layers.ops import PORTABLE_OPS
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension, with a learned scale.
 
-    It computes through `ops` (`layers/ops.py`), which a platform may replace with a kernel.
-    """
+    It computes through `ops` (`layers/ops.py`), which a platform may replace with a kernel."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()

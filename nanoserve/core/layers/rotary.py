@@ -4,8 +4,7 @@ The cos/sin table is computed once in float32 for every position up to
 `max_position_embeddings` and indexed by each token's position, so a batch can mix tokens of
 many requests at arbitrary positions. Each step looks up its positions once and casts them to
 the model's dtype (as transformers does before multiplying); every layer then reuses them.
-The rotation itself is `layers/ops.py`'s `apply_rotary`.
-"""
+The rotation itself is `layers/ops.py`'s `apply_rotary`."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     linear methods   bf16 weights packed once for oneDNN, decode steps by our GEMV (`linear.py`)
     layer ops        fused RMSNorm, RoPE and SwiGLU kernels (`fused_ops.py`)
-    sampler's argmax each row's largest logit in one vector pass (`kernels.py`)
+    sampler ops      a step's argmax and random draws, one vector pass a row (`sampler_ops.py`)
     attention        the reference backend with our paged-decode kernel (`attention.py`)
     KV pool memory   zeros the OS hands out as pages are first written, faulted in ahead of
                      use while the worker is idle (`memory.py`)
@@ -32,7 +32,7 @@ from nanoserve.core.fast_paths import FastPaths
 from nanoserve.core.layers.ops import install_layer_ops
 from nanoserve.core.model_runner import EagerStepRunner, StepRunner
 from nanoserve.core.models.base import CausalLM
-from nanoserve.core.sampler import row_argmax
+from nanoserve.core.sampler import SamplerOps
 from nanoserve.platforms.cpu.attention import CpuKernelAttention
 from nanoserve.platforms.cpu.compiled import CompiledCpuAttention, CompiledDecodeRunner
 from nanoserve.platforms.cpu.fused_decode import fused_decode_runner
@@ -40,6 +40,7 @@ from nanoserve.platforms.cpu.fused_ops import FusedCpuOps
 from nanoserve.platforms.cpu.kernels import load_cpu_kernels
 from nanoserve.platforms.cpu.linear import install_cpu_linears
 from nanoserve.platforms.cpu.memory import KVPoolPages
+from nanoserve.platforms.cpu.sampler_ops import CpuSamplerOps
 from nanoserve.platforms.cpu.threads import GovernedRunner, ThreadGovernor
 from nanoserve.platforms.cpu.tied_embedding import read_tied_embedding_from_gemv_layout
 
@@ -52,7 +53,7 @@ class CpuPaths:
         self.compiled = config.use_compiled_decode
         self.fused = kernels is not None and not config.enforce_eager and not self.compiled
         self.pool_pages = KVPoolPages()
-        self.vector_argmax = kernels is not None and kernels.row_argmax_is_vectorized()
+        self.sampler_ops = SamplerOps() if kernels is None else CpuSamplerOps(kernels)
 
     def prepare_model(self, model: CausalLM) -> None:
         """Packed weights for the linears still plain (after any quantization), fused ops."""
@@ -61,16 +62,6 @@ class CpuPaths:
         read_tied_embedding_from_gemv_layout(model)  # two copies of a tied matrix, not three
         if self.kernels is not None:
             install_layer_ops(model, FusedCpuOps(self.kernels))
-
-    def row_argmax(self, x: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
-        """The sampler's argmax: the kernel's one pass over float32 rows (PyTorch's `max`
-        compares one value at a time), bit for bit the same indices."""
-        kernels = self.kernels
-        if kernels is None or not self.vector_argmax or x.dtype != torch.float32:
-            return row_argmax(x)
-        if x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
-            return row_argmax(x)
-        return kernels.row_argmax(x)
 
     def attention_backend(self, model: CausalLM) -> AttentionBackend:
         if self.compiled:
@@ -107,5 +98,5 @@ def cpu_fast_paths(config: EngineConfig) -> FastPaths:
         kv_cache_zeros=paths.pool_pages.zeros,
         idle_work=paths.pool_pages.fault_in,
         step_runners=paths.step_runners,
-        row_argmax=paths.row_argmax,
+        sampler_ops=paths.sampler_ops,
     )

@@ -15,8 +15,8 @@
     qk_norm_rotary          a step's q/k heads normed (Qwen3) and rotated, in one pass per head
     moe_group, moe_combine  an MoE step's (token, expert) pairs grouped by expert, and the
                             experts' outputs summed back per token (moe/cpu.py)
-    row_argmax              each row's argmax, for the sampler's greedy and random picks
-                            (fast_paths.py)
+    row_argmax, draw_rows   the sampler's passes over whole rows: each row's argmax, and a
+                            token drawn by inverse transform (sampler_ops.py)
     DecodeLayers            a decode step through every decoder layer in one call, with the
                             kernels above (fused_decode.py), experts included
 
@@ -81,7 +81,7 @@ SOURCES = (
     "gemv.cpp",
     "moe_pairs.cpp",
     "prompt_attention.cpp",
-    "row_argmax.cpp",
+    "sampling.cpp",
 )
 MODULE_NAME = "nanoserve_cpu_kernels"
 # -ffp-contract=off: no a * b + c becomes one rounding, so fused_ops round as PyTorch does.

@@ -70,7 +70,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "was the library built with AMX, and does the OS let this process use its tiles?");
   m.def("row_argmax", &row_argmax,
         "[B, V] float32 -> [B] int64: each row's first largest value's index (NaN above all)");
-  m.def("row_argmax_is_vectorized", &row_argmax_is_vectorized,
-        "has row_argmax a SIMD path (AVX-512)?");
+  m.def("draw_rows", &draw_rows,
+        "([B, V] float32 probabilities, [B] float64 uniforms in [0, 1)) -> [B] int64: per row "
+        "the first token whose running sum (float64) passes its uniform times the row's sum");
+  m.def("sampling_is_vectorized", &sampling_is_vectorized,
+        "have row_argmax and draw_rows SIMD paths (AVX-512)?");
   bind_decode_layers(m);
 }

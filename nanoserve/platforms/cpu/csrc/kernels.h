@@ -93,9 +93,10 @@ void paged_chunk_attention(const at::Tensor& query, const at::Tensor& k_cache,
                            const at::Tensor& seq_lens, const std::vector<TokenRun>& runs,
                            double scale, at::Tensor& out);
 
-// row_argmax.cpp
+// sampling.cpp
 at::Tensor row_argmax(at::Tensor x);
-bool row_argmax_is_vectorized();
+at::Tensor draw_rows(at::Tensor probs, at::Tensor uniforms);
+bool sampling_is_vectorized();
 
 // decode_layers.cpp: the DecodeLayers class
 void bind_decode_layers(pybind11::module& m);
