@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--threads must be ≥ 1, got {args.threads}")
     if args.rounds < 1:
         parser.error(f"--rounds must be ≥ 1, got {args.rounds}")
+    if not 0 <= args.temperature <= 2:
+        parser.error(
+            f"--temperature must be in [0, 2] (the OpenAI API's range), got {args.temperature}"
+        )
     if not 0 <= args.random_range_ratio < 1:
         parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if args.request_rate <= 0:
@@ -112,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_load_arguments(p: argparse.ArgumentParser) -> None:
     load = p.add_argument_group("load")
     load.add_argument("--seed", type=int, default=0, help="seed of every random choice")
+    load.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (0: greedy; vLLM bench's flag)",
+    )
     load.add_argument(
         "--threads",
         type=int,

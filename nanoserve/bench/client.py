@@ -63,14 +63,15 @@ PhaseResults = dict[str, tuple[list[RequestResult], float]]  # phase label -> (r
 
 
 def completion_body(
-    model: str, prompt: str, max_tokens: int, ignore_eos: bool = False
+    model: str, prompt: str, max_tokens: int, ignore_eos: bool = False, temperature: float = 0.0
 ) -> dict[str, object]:
-    """The request every arm gets: greedy, streamed, with usage in the last chunk."""
+    """The request every arm gets: greedy unless a temperature is given, streamed, with usage
+    in the last chunk."""
     body: dict[str, object] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

@@ -91,6 +91,18 @@ def _phases_json(arm_results: dict[str, PhaseResults]) -> dict[str, dict]:
     }
 
 
+def _sampling_note(temperature: float) -> str:
+    if temperature == 0:
+        return (
+            "All requests greedy (temperature 0); 'greedy outputs' counts prompts both arms "
+            "finished with identical text (bf16 numerics and batching may legitimately differ)."
+        )
+    return (
+        f"All requests sampled at temperature {temperature:g}: 'greedy outputs' (prompts both "
+        "arms finished with identical text) means nothing here."
+    )
+
+
 def render_markdown(
     workload: Workload,
     columns: list[Column],
@@ -117,9 +129,8 @@ def render_markdown(
         report.markdown_table(columns, rows, baseline),
         "",
         "TTFT: to the first chunk with non-empty `choices`. ITL: between chunks that carry text. "
-        "TPOT: (e2e − TTFT) / (output tokens − 1). Output tokens from `usage`. All requests "
-        "greedy (temperature 0); 'greedy outputs' counts prompts both arms finished with "
-        "identical text (bf16 numerics and batching may legitimately differ).",
+        "TPOT: (e2e − TTFT) / (output tokens − 1). Output tokens from `usage`. "
+        + _sampling_note(run_info.get("temperature", 0.0)),
     ]
     if round_rows:
         lines += [

@@ -65,7 +65,12 @@ def _run_workload(server: Server, workload: Workload, args: argparse.Namespace) 
     url = server.base_url + "/v1/completions"
     name = server.spec.name
     warmup = [
-        completion_body(server.served_model, prompt, min(16, workload.phases[0].max_tokens))
+        completion_body(
+            server.served_model,
+            prompt,
+            min(16, workload.phases[0].max_tokens),
+            temperature=args.temperature,
+        )
         for prompt in workload.params["warmup_prompts"]
     ]
     if warmup:
@@ -87,7 +92,10 @@ def _run_workload(server: Server, workload: Workload, args: argparse.Namespace) 
 def _run_phase(
     url: str, model: str, phase: Phase, args: argparse.Namespace, label: str
 ) -> tuple[list[RequestResult], float]:
-    bodies = [completion_body(model, p, phase.max_tokens, phase.ignore_eos) for p in phase.prompts]
+    bodies = [
+        completion_body(model, p, phase.max_tokens, phase.ignore_eos, args.temperature)
+        for p in phase.prompts
+    ]
     if phase.send_times_s is not None:
         timed = list(zip(bodies, phase.send_times_s, strict=True))
         return asyncio.run(run_typing(url, timed, args.request_timeout_s, label))

@@ -164,6 +164,7 @@ def _run_info(
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(["nanoserve bench", *(argv if argv is not None else sys.argv[1:])]),
         "seed": args.seed,
+        "temperature": args.temperature,
         "num_warmup": args.num_warmup,
         "model": {
             **model,

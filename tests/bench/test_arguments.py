@@ -22,6 +22,11 @@ def test_all_workloads_and_concurrency_levels():
     assert args.concurrency == [1, 4, 16]
 
 
+def test_requests_are_greedy_unless_a_temperature_is_given():
+    assert parse_args([]).temperature == 0.0
+    assert parse_args(["--temperature", "0.7"]).temperature == 0.7
+
+
 def test_workloads_add_up_across_repeated_flags():
     assert parse_args([]).workload == ["scoreboard"]
     args = parse_args(["--workload", "scoreboard", "--workload", "autocomplete", "scoreboard"])
@@ -35,6 +40,8 @@ def test_workloads_add_up_across_repeated_flags():
         (["--concurrency", "0,2"], "--concurrency levels must be ≥ 1"),
         (["--rounds", "0"], "--rounds must be ≥ 1"),
         (["--random-range-ratio", "1"], "--random-range-ratio must be in [0, 1)"),
+        (["--temperature", "-0.5"], "--temperature must be in [0, 2]"),
+        (["--temperature", "2.5"], "--temperature must be in [0, 2]"),
         (["--request-rate", "0"], "--request-rate must be > 0"),
     ],
 )

@@ -51,6 +51,11 @@ def _run(body: str, status: int = 200) -> RequestResult:
     return asyncio.run(go())
 
 
+def test_the_request_body_is_greedy_unless_given_a_temperature():
+    assert completion_body("m", "hello", 3)["temperature"] == 0.0
+    assert completion_body("m", "hello", 3, temperature=1.0)["temperature"] == 1.0
+
+
 def test_client_measures_a_good_stream():
     result = _run(GOOD_STREAM)
     assert result.error is None and result.is_ok

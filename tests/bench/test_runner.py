@@ -1,5 +1,6 @@
 """The bench's runner: how SIGTERM and SIGHUP end a run (servers are stopped by its `finally`s)."""
 
+import argparse
 import asyncio
 import os
 import signal
@@ -8,7 +9,9 @@ import time
 
 import pytest
 
+from nanoserve.bench import runner
 from nanoserve.bench.runner import signals_end_the_run
+from nanoserve.bench.workloads import Phase
 
 
 def send_later(signum: int, delay_s: float = 0.2) -> subprocess.Popen:
@@ -53,3 +56,17 @@ def test_a_signal_outside_the_event_loop_interrupts_and_the_handlers_come_back()
     assert sender.wait(timeout=10) == 0
     assert time.monotonic() - started < 20
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_every_request_of_a_phase_carries_the_runs_temperature(monkeypatch) -> None:
+    sent: list[dict] = []
+
+    async def fake_phase(url, bodies, *rest):
+        sent.extend(bodies)
+        return [], 0.0
+
+    monkeypatch.setattr(runner, "run_phase", fake_phase)
+    args = argparse.Namespace(temperature=0.7, seed=0, request_timeout_s=1.0)
+    phase = Phase("c=1", ["a prompt", "another"], max_tokens=4)
+    runner._run_phase("http://127.0.0.1:1/v1/completions", "m", phase, args, "label")
+    assert [body["temperature"] for body in sent] == [0.7, 0.7]

@@ -139,6 +139,7 @@ def test_harness_end_to_end(tmp_path):
         assert [a["name"] for a in document["arms"]] == ["nanoserve", "hf"]
         assert all(a["status"] == "ok" for a in document["arms"])
         assert document["arms"][0]["mode"] == "eager (--enforce-eager)"
+        assert document["temperature"] == 0.0 and "All requests greedy" in markdown
         # Every arm we start reports its seconds from launch to ready.
         assert all(0 < a["startup_s"] < 600 for a in document["arms"])
         assert document["baseline"] == "nanoserve"
