@@ -48,7 +48,6 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # [B, V] float: times each token was generated
     banned: tuple[torch.Tensor, torch.Tensor] | None  # rows, ids [N]: at -inf (min_tokens)
     seeded_rows: list[tuple[int, torch.Generator]]  # random rows that bring their own RNG
-    has_unseeded_random: bool  # some random row draws from the default generator
     logprob_rows: list[int]  # the R rows that asked for logprobs
     num_logprobs: list[int]  # [R]: how many top alternatives each of them wants
     logprob_index: torch.Tensor | None  # [R] long: logprob_rows on the device; None when R = 0
@@ -90,7 +89,6 @@ class SamplingBatch:
             **_presence_frequency(rows, output_token_ids, vocab_size),
             banned=_banned(rows, output_token_ids, eos_token_ids, vocab_size),
             seeded_rows=seeded_rows,
-            has_unseeded_random=len(seeded_rows) < sum(not g for g in greedy),
             logprob_rows=logprob_rows,
             num_logprobs=[params[i].logprobs or 0 for i in logprob_rows],
             logprob_index=rows.tensor(logprob_rows, torch.long) if logprob_rows else None,
