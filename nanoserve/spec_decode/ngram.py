@@ -58,12 +58,8 @@ class NgramProposer:
             drafts.append(self.draft(array.sync(request.all_token_ids), count))
         return drafts
 
-    def propose_one(self, token_ids: list[int], num_tokens: int) -> list[int]:
-        """Up to `num_tokens` tokens that followed the longest recent match of the suffix."""
-        return self.draft(np.asarray(token_ids, dtype=np.int64), num_tokens)
-
     def draft(self, tokens: np.ndarray, num_tokens: int) -> list[int]:
-        """`propose_one` over the tokens as an array."""
+        """Up to `num_tokens` tokens that followed the longest recent match of the suffix."""
         start, n = longest_earlier_match(tokens, self.min_n, self.max_n, num_tokens)
         if start < 0:
             return []

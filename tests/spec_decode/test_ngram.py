@@ -9,38 +9,43 @@ from nanoserve.core.request import Request
 from nanoserve.spec_decode.ngram import NgramProposer, TokenArray, longest_earlier_match
 
 
+def drafted(proposer: NgramProposer, token_ids: list[int], num_tokens: int) -> list[int]:
+    """The proposer's draft after `token_ids`."""
+    return proposer.draft(np.asarray(token_ids, dtype=np.int64), num_tokens)
+
+
 def test_the_most_recent_earlier_match_wins():
     tokens = np.array([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3])
     assert longest_earlier_match(tokens, 3, 3, 4) == (4, 3)
-    assert NgramProposer(1, 3).propose_one(tokens.tolist(), 4) == [8, 5, 1, 2]
+    assert drafted(NgramProposer(1, 3), tokens.tolist(), 4) == [8, 5, 1, 2]
     assert longest_earlier_match(tokens, 3, 3, 6) == (0, 3)  # only the first leaves room for 6
 
 
 def test_longer_suffixes_are_tried_first():
     # "2 3" last occurred before 7, but "1 2 3" only before 4.
     tokens = [1, 2, 3, 4, 0, 2, 3, 7, 0, 1, 2, 3]
-    assert NgramProposer(2, 3).propose_one(tokens, 2) == [4, 0]
-    assert NgramProposer(2, 2).propose_one(tokens, 2) == [7, 0]  # "2 3": most recent first
-    assert NgramProposer(1, 1).propose_one(tokens, 1) == [7]
+    assert drafted(NgramProposer(2, 3), tokens, 2) == [4, 0]
+    assert drafted(NgramProposer(2, 2), tokens, 2) == [7, 0]  # "2 3": most recent first
+    assert drafted(NgramProposer(1, 1), tokens, 1) == [7]
 
 
 def test_no_match_shorter_than_the_minimum_drafts_nothing():
     tokens = [1, 2, 3, 4, 5, 1, 2]
-    assert NgramProposer(3, 4).propose_one(tokens, 3) == []
-    assert NgramProposer(2, 4).propose_one(tokens, 3) == [3, 4, 5]
-    assert NgramProposer(1, 4).propose_one([*tokens, 9], 3) == []
+    assert drafted(NgramProposer(3, 4), tokens, 3) == []
+    assert drafted(NgramProposer(2, 4), tokens, 3) == [3, 4, 5]
+    assert drafted(NgramProposer(1, 4), [*tokens, 9], 3) == []
 
 
 def test_the_draft_is_cut_at_the_known_tokens_and_the_limit():
     tokens = [4, 5, 6, 4, 5]
-    assert NgramProposer(1, 2).propose_one(tokens, 10) == [6, 4, 5]
-    assert NgramProposer(1, 2).propose_one(tokens, 1) == [6]
-    assert NgramProposer(1, 2).propose_one([7], 3) == []
+    assert drafted(NgramProposer(1, 2), tokens, 10) == [6, 4, 5]
+    assert drafted(NgramProposer(1, 2), tokens, 1) == [6]
+    assert drafted(NgramProposer(1, 2), [7], 3) == []
 
 
 def test_a_repeating_run_drafts_a_whole_draft():
     tokens = [3, 9, 9, 9, 9, 9, 9]
-    assert NgramProposer(2, 2).propose_one(tokens, 3) == [9, 9, 9]
+    assert drafted(NgramProposer(2, 2), tokens, 3) == [9, 9, 9]
 
 
 def earliest_or_latest_with_room(tokens: list[int], n: int, num_tokens: int) -> int:
