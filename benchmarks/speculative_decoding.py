@@ -17,10 +17,12 @@ Part 1, on the demo model (real weights, so acceptance means something), in-proc
     autocomplete  ~10-token greedy completions of a module's first lines: time to first token
 
 At each concurrency (requests submitted together; each measurement is --repeats such batches of
-different prompts) it reports output tok/s, the ratio to no speculation, and per proposer the
-draft acceptance rate and mean acceptance length. `--model` runs part 1 on another checkpoint
-(a dummy-weight shape's acceptance means nothing, but its no-repeat workload shows what
-speculation costs where a step is as long as a real model's).
+different prompts) it reports output tok/s end to end (prompts included), decode tok/s a stream
+(each stream's tokens after its first over the time from its first to its last: speculation's
+own gain, since it drafts nothing for a prompt), each with its ratio to no speculation, and
+per proposer the draft acceptance rate and mean acceptance length. `--model` runs part 1 on
+another checkpoint (a dummy-weight shape's acceptance means nothing, but its no-repeat workload
+shows what speculation costs where a step is as long as a real model's).
 
 Part 2, the cost side of a draft model, where only random-weight shapes exist offline: the
 time of one engine step of `--cost-shape` (dummy weights, one request with a 512-token
@@ -32,6 +34,7 @@ per step, (1 - a^(k+1)) / (1 - a) at acceptance a, exceed (verify(k) + k * c) / 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import functools
 import platform
@@ -39,6 +42,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from nanoserve import LLM, SamplingParams
 
@@ -76,16 +80,41 @@ def edit_prompts(llm: LLM, paths: list[str]) -> list[tuple[str, int]]:
     return prompts
 
 
-def run_batch(llm: LLM, prompts: list[tuple[str, int]], temperature: float) -> tuple[int, float]:
-    """Generate every prompt together; (output tokens, seconds)."""
-    params = [
-        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
-        for i, (_, n) in enumerate(prompts)
-    ]
+class BatchRun(NamedTuple):
+    """One batch's output tokens and seconds, end to end and while decoding (each stream from
+    its first token to its last: the rate `vllm bench serve` reports as 1 / TPOT)."""
+
+    num_tokens: int
+    seconds: float
+    num_decode_tokens: int  # every stream's tokens after its first
+    decode_seconds: float  # summed over the streams
+
+
+def run_batch(llm: LLM, prompts: list[tuple[str, int]], temperature: float) -> BatchRun:
+    """Generate every prompt together, through the engine's steps (to see each token come)."""
+    engine = llm.engine
+    prompt_ids = [llm.tokenizer.encode(prompt) for prompt, _ in prompts]
+    first_s: dict[str, float] = {}
+    last_s: dict[str, float] = {}
+    counts: collections.Counter[str] = collections.Counter()
     started = time.perf_counter()
-    outputs = llm.generate([p for p, _ in prompts], params)
+    for index, (ids, (_, max_tokens)) in enumerate(zip(prompt_ids, prompts, strict=True)):
+        params = SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=index
+        )
+        engine.add_request(f"batch-{time.monotonic_ns()}-{index}", ids, params)
+    while engine.has_unfinished_requests():
+        deltas = engine.step()
+        now = time.perf_counter()
+        for delta in deltas:
+            if delta.new_token_ids:
+                first_s.setdefault(delta.request_id, now)
+                last_s[delta.request_id] = now
+                counts[delta.request_id] += len(delta.new_token_ids)
     elapsed = time.perf_counter() - started
-    return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed
+    num_tokens = sum(counts.values())
+    decode_s = sum(last_s[r] - first_s[r] for r in counts)
+    return BatchRun(num_tokens, elapsed, num_tokens - len(counts), decode_s)
 
 
 def ttft_ms(llm: LLM, prompts: list[str]) -> float:
@@ -124,7 +153,7 @@ def part_one(args: argparse.Namespace) -> list[str]:
     warm_up = edit_prompts(llms["none"], edit_files()[-2:])
     for llm in llms.values():  # first steps settle threads and caches: not measured
         run_batch(llm, warm_up, 0.0)
-    results: dict[tuple[str, int, str], list[tuple[int, float, float, float]]] = {}
+    results: dict[tuple[str, int, str], list[Measured]] = {}
     for round_index in range(args.rounds):
         for workload in args.workloads:
             for concurrency in args.concurrency:
@@ -135,18 +164,15 @@ def part_one(args: argparse.Namespace) -> list[str]:
                 for name in _rotated(list(ARMS), round_index):
                     llm = llms[name]
                     before = llm.engine.stats().spec_decode
-                    num_tokens, elapsed = 0, 0.0
-                    for prompts, temperature in batches:
-                        tokens, seconds = run_batch(llm, prompts, temperature)
-                        num_tokens, elapsed = num_tokens + tokens, elapsed + seconds
-                    rate, length = acceptance(llm, before)
-                    results.setdefault((workload, concurrency, name), []).append(
-                        (num_tokens, elapsed, rate, length)
-                    )
+                    runs = [run_batch(llm, prompts, temp) for prompts, temp in batches]
+                    run = BatchRun(*(sum(column) for column in zip(*runs, strict=True)))
+                    measured = Measured(run, *acceptance(llm, before))
+                    results.setdefault((workload, concurrency, name), []).append(measured)
                     print(
                         f"round {round_index + 1}/{args.rounds} {workload} x{concurrency} "
-                        f"{name}: {num_tokens / elapsed:.1f} tok/s, acceptance {rate:.2f}, "
-                        f"mean length {length:.2f}",
+                        f"{name}: {run.num_tokens / run.seconds:.1f} tok/s, decode "
+                        f"{run.num_decode_tokens / run.decode_seconds:.1f} tok/s a stream, "
+                        f"acceptance {measured.rate:.2f}, mean length {measured.length:.2f}",
                         flush=True,
                     )
     return throughput_table(results) + [""] + ttft_table(llms, args.model)
@@ -166,27 +192,43 @@ def workload_prompts(llm: LLM, workload: str, concurrency: int, batch: int):
     return [(" ".join(rng.choice(words) for _ in range(30)), 500) for _ in range(concurrency)], 1.0
 
 
-def throughput_table(results: dict) -> list[str]:
+class Measured(NamedTuple):
+    """An arm's batches in one round, and its drafts' acceptance over them."""
+
+    run: BatchRun
+    rate: float  # draft acceptance rate
+    length: float  # mean acceptance length
+
+
+def throughput_table(results: dict[tuple[str, int, str], list[Measured]]) -> list[str]:
     lines = [
-        "| workload | concurrent | arm | output tok/s | vs none | acceptance rate "
-        "| mean acceptance length |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | concurrent | arm | output tok/s | vs none | decode tok/s a stream "
+        "| vs none | acceptance rate | mean acceptance length |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for (workload, concurrency, name), runs in sorted(results.items()):
-        rate = _tokens_per_s(runs)
-        base = _tokens_per_s(results[(workload, concurrency, "none")])
-        cells = [workload, str(concurrency), name, f"{rate:.1f}", f"{rate / base:.2f}x"]
+    for (workload, concurrency, name), measured in sorted(results.items()):
+        runs, base_runs = (
+            [m.run for m in measured],
+            [m.run for m in results[(workload, concurrency, "none")]],
+        )
+        output, base_output = _rate(runs, decode=False), _rate(base_runs, decode=False)
+        decode, base_decode = _rate(runs, decode=True), _rate(base_runs, decode=True)
+        cells = [workload, str(concurrency), name, f"{output:.1f}", f"{output / base_output:.2f}x"]
+        cells += [f"{decode:.1f}", f"{decode / base_decode:.2f}x"]
         if name == "none":
             cells += ["-", "-"]
         else:
-            cells += [f"{statistics.mean(r[2] for r in runs):.2f}"]
-            cells += [f"{statistics.mean(r[3] for r in runs):.2f}"]
+            cells += [f"{statistics.mean(m.rate for m in measured):.2f}"]
+            cells += [f"{statistics.mean(m.length for m in measured):.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _tokens_per_s(runs: list[tuple[int, float, float, float]]) -> float:
-    return sum(r[0] for r in runs) / sum(r[1] for r in runs)
+def _rate(runs: list[BatchRun], decode: bool) -> float:
+    """Output tokens a second over `runs`, end to end or while decoding (a stream's)."""
+    if decode:
+        return sum(r.num_decode_tokens for r in runs) / sum(r.decode_seconds for r in runs)
+    return sum(r.num_tokens for r in runs) / sum(r.seconds for r in runs)
 
 
 def ttft_table(llms: dict[str, LLM], model: str) -> list[str]:
