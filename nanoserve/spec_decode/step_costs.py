@@ -20,6 +20,9 @@ purpose: a step's cost often grows more slowly with more tokens (a CPU's matrix 
 method at some size; a GPU's are nearly flat), and a longer step that is never tried is never
 timed. With no verify bucket known, `PRIOR_FIXED + PRIOR_PER_DRAFT * D`.
 The proposer's calls are timed too (`lookup_cost`: per request, in plain steps).
+Costs are asked for every step, and reading them off the buckets is a few dozen Python
+operations: the answers are kept, and read afresh when a bucket becomes known and every
+`REFRESH_STEPS` timed steps (so a median that moved, or a bucket gone stale, counts soon).
 Times go stale: a bucket not timed in the last `MAX_AGE_STEPS` steps counts as not known
 (its next time starts it afresh), since the machine's load moves and a shape once timed dear
 would otherwise never be tried again. A batch size whose plain steps are not known asks for a
@@ -37,6 +40,7 @@ MIN_SAMPLES = 3  # the times a bucket needs before it is trusted
 MAX_AGE_STEPS = 256  # steps (timed ones, of any shape) after which a bucket's times are stale
 PRIOR_FIXED = 0.1  # before any verify step is timed: its cost beyond a plain step ...
 PRIOR_PER_DRAFT = 0.15  # ... and per draft (in plain steps; a 4-token step then costs 1.55)
+REFRESH_STEPS = 8  # timed steps between readings of the costs off the buckets
 
 
 class TimedBucket:
@@ -73,6 +77,7 @@ class StepCosts:
         self.verify: dict[int, TimedBucket] = {}  # by tokens run T = B + D
         self.lookup = TimedBucket()  # the proposer's calls, per request asked
         self.num_steps = 0  # steps timed so far: the buckets' clock
+        self._answers: dict[tuple[int, int], list[float]] = {}  # (B, n): costs, until refreshed
 
     def observe(self, num_requests: int, num_drafts: int, seconds: float) -> None:
         """A step of `num_requests` decoding requests verifying `num_drafts` drafts took
@@ -84,18 +89,25 @@ class StepCosts:
             buckets, shape = self.plain, num_requests
         if shape not in buckets:  # (not setdefault: a bucket is made once, not per step)
             buckets[shape] = TimedBucket()
-        buckets[shape].add(seconds, self.num_steps)
+        bucket = buckets[shape]
+        bucket.add(seconds, self.num_steps)
+        if len(bucket.seconds) == MIN_SAMPLES or self.num_steps % REFRESH_STEPS == 0:
+            self._answers.clear()
 
     def observe_lookup(self, num_requests: int, seconds: float) -> None:
         """The proposer took `seconds` to draft for `num_requests` requests."""
         self.lookup.add(seconds / num_requests, self.num_steps)
+        if len(self.lookup.seconds) == MIN_SAMPLES:
+            self._answers.clear()
 
     def lookup_cost(self, num_requests: int) -> float:
         """What asking the proposer for one request costs, in plain steps (0 until timed)."""
-        plain_s = self._plain_seconds(num_requests)
-        if plain_s is None or not self.lookup.is_known(self.num_steps):
-            return 0.0
-        return self.lookup.median_s / plain_s
+        key = (num_requests, -1)
+        if key not in self._answers:
+            plain_s = self._plain_seconds(num_requests)
+            known = plain_s is not None and self.lookup.is_known(self.num_steps)
+            self._answers[key] = [self.lookup.median_s / plain_s if plain_s and known else 0.0]
+        return self._answers[key][0]
 
     def needs_plain_step(self, num_requests: int) -> bool:
         """True when plain steps of `num_requests` requests need (re)timing first."""
@@ -103,7 +115,14 @@ class StepCosts:
         return bucket is None or not bucket.is_known(self.num_steps)
 
     def relative_costs(self, num_requests: int, max_drafts: int) -> list[float]:
-        """[max_drafts + 1]: the cost of a step verifying D drafts, in plain steps."""
+        """[max_drafts + 1]: the cost of a step verifying D drafts, in plain steps (a list
+        kept until the next refresh: not to be changed)."""
+        key = (num_requests, max_drafts)
+        if key not in self._answers:
+            self._answers[key] = self._read_costs(num_requests, max_drafts)
+        return self._answers[key]
+
+    def _read_costs(self, num_requests: int, max_drafts: int) -> list[float]:
         plain_s = self._plain_seconds(num_requests)
         known = sorted(t for t, bucket in self.verify.items() if bucket.is_known(self.num_steps))
         if plain_s is None or not known:

@@ -9,6 +9,8 @@ from nanoserve.spec_decode.step_costs import (
     MIN_SAMPLES,
     PRIOR_FIXED,
     PRIOR_PER_DRAFT,
+    REFRESH_STEPS,
+    WINDOW,
     StepCosts,
 )
 
@@ -80,3 +82,24 @@ def test_a_batch_size_not_timed_reads_the_nearest_one_timed():
     costs = observed([(1, 0, 1.0), (3, 0, 2.0), (3, 2, 3.0)])
     assert costs.relative_costs(2, 3)[3] == pytest.approx(3.0)  # 5 tokens over 1 s (B = 1)
     assert costs.relative_costs(4, 1)[1] == pytest.approx(1.5)  # 5 tokens over 2 s (B = 3)
+
+
+def test_a_bucket_counts_as_soon_as_it_is_known():
+    costs = observed([(1, 0, 1.0)])
+    prior = [1.0, 1 + PRIOR_FIXED + PRIOR_PER_DRAFT]
+    assert costs.relative_costs(1, 1) == pytest.approx(prior)
+    for _ in range(MIN_SAMPLES):
+        costs.observe(1, 1, 3.0)
+    assert costs.relative_costs(1, 1) == pytest.approx([1.0, 3.0])
+
+
+def test_a_median_that_moved_is_read_within_refresh_steps():
+    costs = observed([(1, 0, 1.0), (1, 1, 1.5)])
+    assert costs.relative_costs(1, 1) == pytest.approx([1.0, 1.5])
+    for _ in range(WINDOW):  # the machine got busy: verify steps now take 3 s
+        costs.observe(1, 1, 3.0)
+    assert costs.relative_costs(1, 1) == pytest.approx([1.0, 3.0])
+    for _ in range(REFRESH_STEPS):
+        costs.observe(1, 0, 2.0)
+        costs.observe(1, 0, 2.0)
+    assert costs.relative_costs(1, 1) == pytest.approx([1.0, 1.5])  # and plain ones 2 s
