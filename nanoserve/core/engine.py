@@ -156,7 +156,9 @@ class Engine:
 
     def step(self, are_aborted: Callable[[list[str]], bool] | None = None) -> list[RequestDelta]:
         """Schedule, execute, update: one forward pass over the running batch. A step runner
-        may abandon a step whose requests all `are_aborted` meanwhile: nothing is updated."""
+        may abandon a step whose requests all `are_aborted` meanwhile: nothing is updated.
+        Drafts are proposed first, not after the last step: its tokens go out without that wait."""
+        self.speculator.propose(self.scheduler.running)
         scheduled = self.last_schedule = self.scheduler.schedule()
         if scheduled.is_empty:
             self._wait_for_a_grammar()
@@ -177,7 +179,6 @@ class Engine:
                 logger.debug("a step stopped part-way: its requests were aborted meanwhile")
                 return []
         deltas = self.scheduler.update(scheduled, token_ids, logprobs, prompt_logprobs)
-        self.speculator.propose(self.scheduler.running)  # drafts for the next step
         return deltas
 
     def _wait_for_a_grammar(self) -> None:
