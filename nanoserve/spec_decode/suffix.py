@@ -102,19 +102,28 @@ class SuffixTrie:
 
         Each matched suffix drafts its most frequent continuation; the score is the draft's
         expected number of accepted tokens (the sum of its running probabilities), and the
-        highest wins (ties: the longer match).
+        highest wins (ties: the longer match; none scoring above 0: no draft).
         """
         nodes = list(suffix_nodes)
+        # A draft scores at most its length: its match's limit, and the max_depth - m tokens
+        # below a node m deep. Walks go highest bound first (ties: the longer match), so that
+        # once a draft scores its bound (a copied passage's usual case) the rest are skipped.
+        bounds = sorted(
+            (
+                (min(max_tokens, int(factor * match_len), self.max_depth - match_len), match_len)
+                for match_len in range(1, len(nodes) + 1)
+            ),
+            reverse=True,
+        )
         best: tuple[list[int], float] = ([], 0.0)
-        for match_len in range(len(nodes), 0, -1):  # longest first: a tie keeps the longer
+        best_len = 0
+        for bound, match_len in bounds:
+            if bound <= 0 or bound < best[1] or (bound == best[1] and match_len < best_len):
+                break  # neither this walk nor any after it can win
             limit = min(max_tokens, int(factor * match_len))
-            # A draft scores at most its length, and a node m deep drafts max_depth - m tokens:
-            # a walk that cannot beat the best so far is not taken.
-            if min(limit, self.max_depth - match_len) <= best[1]:
-                continue
             draft, score = self.follow_likeliest(nodes[match_len - 1], limit, min_prob)
-            if score > best[1]:
-                best = (draft, score)
+            if score > best[1] or (score == best[1] > 0 and match_len > best_len):
+                best, best_len = (draft, score), match_len
         return best
 
     def follow_likeliest(self, node: int, limit: int, min_prob: float) -> tuple[list[int], float]:
@@ -148,18 +157,26 @@ class GrowingSuffixTrie(SuffixTrie):
         self.num_tokens = 0
 
     def extend(self, token_ids: list[int]) -> None:
-        """Count the substrings that end at each new token."""
+        """Count the substrings that end at each new token.
+
+        Suffixes go shortest first; once one followed by the token is new, so is every longer
+        one (it ends with the shorter), so the rest are made without looking.
+        """
         keep, counts, children = self.max_depth - 1, self.counts, self.children
         for token_id in token_ids:
             opened = []
-            for node in (ROOT, *self.open_nodes):
+            nodes = [ROOT, *self.open_nodes]
+            for node in nodes:
                 child = children[node].get(token_id)
-                if child is None:  # a new node (a growing trie frees none to reuse)
-                    child = children[node][token_id] = len(counts)
-                    counts.append(0)
-                    children.append({})
+                if child is None:
+                    break
                 counts[child] += 1
                 opened.append(child)
+            for node in nodes[len(opened) :]:  # new nodes (a growing trie frees none to reuse)
+                children[node][token_id] = len(counts)
+                opened.append(len(counts))
+                counts.append(1)
+                children.append({})
             self.open_nodes = opened[:keep]
             self.num_tokens += 1
 

@@ -122,3 +122,29 @@ def test_without_proposals_the_pending_outputs_stay_bounded():
     for index in range(200):  # no `propose` between them: a batch too large to draft for
         proposer.finish(finished_request(f"r{index}", [0], list(range(index, index + 400))))
         assert proposer.num_pending_starts <= 8 * 400 + 400
+
+
+def every_walk_draft(trie: SuffixTrie, context: list[int], max_tokens, factor, min_prob):
+    """`draft` without skipping walks: every matched suffix's, the best score, the longer
+    match on ties (the definition `best_draft` must keep)."""
+    best: tuple[list[int], float] = ([], 0.0)
+    for match_len, node in enumerate(trie.suffix_nodes(context), start=1):
+        limit = min(max_tokens, int(factor * match_len))
+        draft, score = trie.follow_likeliest(node, limit, min_prob)
+        if score > 0 and score >= best[1]:
+            best = (draft, score)
+    return best
+
+
+def test_skipping_walks_that_cannot_win_never_changes_the_draft():
+    rng = random.Random(1)
+    for depth in (3, 8, 24):
+        trie = GrowingSuffixTrie(max_depth=depth)
+        tokens: list[int] = []
+        for _ in range(60):
+            new = [rng.randrange(3) for _ in range(rng.randrange(1, 5))]
+            trie.extend(new)
+            tokens += new
+            for max_tokens, factor, min_prob in ((24, 1.0, 0.1), (4, 3.0, 0.0), (9, 0.5, 0.3)):
+                expected = every_walk_draft(trie, tokens, max_tokens, factor, min_prob)
+                assert trie.draft_after_own(max_tokens, factor, min_prob) == expected
