@@ -151,11 +151,11 @@ def plan_drafts(acceptance: list[list[float]], costs: list[float], num_requests:
     steps."""
     gains = sorted(  # likeliest first; each request's in order (ties: chance 1.0)
         (
-            (chance, position, index)
+            (chance, -position, -index)
             for index, chances in enumerate(acceptance)
             for position, chance in enumerate(chances)
         ),
-        key=lambda gain: (-gain[0], gain[1]),
+        reverse=True,
     )
     best_rate, best_num_drafts = float(num_requests), 0  # a plain step: B tokens, cost 1
     expected = float(num_requests)
@@ -164,8 +164,8 @@ def plan_drafts(acceptance: list[list[float]], costs: list[float], num_requests:
         if expected / costs[num_drafts] > best_rate:
             best_rate, best_num_drafts = expected / costs[num_drafts], num_drafts
     counts = [0] * len(acceptance)
-    for _, _, index in gains[:best_num_drafts]:
-        counts[index] += 1
+    for _, _, negative_index in gains[:best_num_drafts]:
+        counts[-negative_index] += 1
     return counts
 
 

@@ -184,8 +184,17 @@ class GrowingSuffixTrie(SuffixTrie):
         self, max_tokens: int, factor: float, min_prob: float
     ) -> tuple[list[int], float]:
         """`draft` with this trie's own sequence as the context (its suffixes' nodes are open;
-        a suffix of max_depth tokens has no children to draft from)."""
-        return self.best_draft(self.open_nodes, max_tokens, factor, min_prob)
+        a suffix of max_depth tokens has no children to draft from).
+
+        A suffix counted once occurs only at the end, where nothing follows it yet: no draft.
+        A longer suffix occurs no more often than a shorter one, so those that occurred
+        before are the shortest few (in fresh text, one or two of the 23).
+        """
+        nodes, counts = self.open_nodes, self.counts
+        num_seen_before = len(nodes)
+        while num_seen_before and counts[nodes[num_seen_before - 1]] < 2:
+            num_seen_before -= 1
+        return self.best_draft(nodes[:num_seen_before], max_tokens, factor, min_prob)
 
 
 @dataclass
