@@ -41,10 +41,11 @@ class RejectionSampler:
         # logits: [N, V] float32, N = requests + drafts; request r's rows are its last known
         # token then one per draft (`first_rows[r]` onwards).
         first_rows = _first_rows(draft_token_ids)
+        # Per row, the draft its logits verify (-1 on a request's last row: the bonus).
+        next_drafts = [t for drafts in draft_token_ids for t in [*drafts, -1]]  # [N]
         if batch.all_greedy:
-            accepted_host, recovered_host = self._greedy_verdicts(logits, batch, draft_token_ids)
+            accepted_host, recovered_host = self._greedy_verdicts(logits, batch, next_drafts)
         else:
-            next_drafts = _next_draft_per_row(draft_token_ids, logits.device)  # [N], -1: none
             accepted, recovered = self._accept_and_recover(logits, batch, next_drafts)
             accepted_host, recovered_host = (t.tolist() for t in to_host(accepted, recovered))
         token_ids: list[list[int]] = []
@@ -61,35 +62,38 @@ class RejectionSampler:
         return token_ids, self._logprobs(logits, batch, first_rows, token_ids, emitted_rows)
 
     def _greedy_verdicts(
-        self, logits: torch.Tensor, batch: SamplingBatch, draft_token_ids: list[list[int]]
+        self, logits: torch.Tensor, batch: SamplingBatch, next_drafts: list[int]
     ) -> tuple[list[bool], list[int]]:
         """`_accept_and_recover` where every row is greedy: a draft holds where it is the
         argmax, which is also the token emitted; compared on the host, the argmax the only
         tensor work (a verify step of a small model is a millisecond: a few ops count)."""
         argmax = self.sampler.ops.argmax(self.sampler.process_logits(logits, batch))  # [N]
         recovered = to_host(argmax)[0].tolist()
-        next_drafts = [t for drafts in draft_token_ids for t in [*drafts, -1]]  # -1: no draft
         return [d == a for d, a in zip(next_drafts, recovered, strict=True)], recovered
 
     def _accept_and_recover(
-        self, logits: torch.Tensor, batch: SamplingBatch, next_drafts: torch.Tensor
+        self, logits: torch.Tensor, batch: SamplingBatch, next_drafts: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: is its next draft accepted, and the token emitted if not (or the bonus);
         some rows random."""
+        device = logits.device
         processed = self.sampler.process_logits(logits, batch)  # [N, V], -inf where filtered
-        argmax = self.sampler.ops.argmax(processed)  # [N]
-        has_draft = next_drafts >= 0
-        draft_ids = next_drafts.clamp(min=0).unsqueeze(1)  # [N, 1]
-        greedy_accepted = has_draft & (argmax == next_drafts)
         probs = processed.softmax(dim=-1)  # [N, V]
-        draft_probs = probs.gather(1, draft_ids).squeeze(1)  # [N]
-        accept_below = self.sampler.uniforms(batch, probs.device)  # [N]
-        random_accepted = has_draft & (accept_below < draft_probs)
-        # max(p - q, 0) with q one-hot on the draft: p with the draft token removed.
-        residual = probs.scatter(1, draft_ids, 0.0).where(has_draft.unsqueeze(1), probs)
-        recovered = self.sampler.ops.draw(residual, self.sampler.uniforms(batch, probs.device))
-        if batch.is_greedy is None:
+        draft_rows = [row for row, token in enumerate(next_drafts) if token >= 0]
+        rows = torch.tensor(draft_rows, dtype=torch.long, device=device)  # [R]
+        tokens = torch.tensor([next_drafts[r] for r in draft_rows], dtype=torch.long, device=device)
+        accept_below = self.sampler.uniforms(batch, device)  # [N]
+        random_accepted = torch.zeros(len(next_drafts), dtype=torch.bool, device=device)  # [N]
+        random_accepted[rows] = accept_below[rows] < probs[rows, tokens]
+        # max(p - q, 0) with q one-hot on the draft: p with the draft token removed (the
+        # draws take weights: no need to normalise).
+        probs[rows, tokens] = 0.0
+        recovered = self.sampler.ops.draw(probs, self.sampler.uniforms(batch, device))
+        if batch.is_greedy is None:  # no greedy row among random ones
             return random_accepted, recovered
+        argmax = self.sampler.ops.argmax(processed)  # [N]
+        drafted = torch.tensor(next_drafts, dtype=torch.long, device=device)  # [N]
+        greedy_accepted = argmax == drafted  # (never on a bonus row: -1)
         return (
             torch.where(batch.is_greedy, greedy_accepted, random_accepted),
             torch.where(batch.is_greedy, argmax, recovered),
@@ -127,9 +131,3 @@ def _first_rows(draft_token_ids: list[list[int]]) -> list[int]:
         first_rows.append(row)
         row += 1 + len(drafts)
     return first_rows
-
-
-def _next_draft_per_row(draft_token_ids: list[list[int]], device: torch.device) -> torch.Tensor:
-    """[N]: the draft each row's logits verify (the one after it), -1 on each bonus row."""
-    values = [t for drafts in draft_token_ids for t in [*drafts, -1]]
-    return torch.tensor(values, dtype=torch.long, device=device)

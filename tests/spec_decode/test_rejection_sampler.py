@@ -99,6 +99,26 @@ def test_greedy_rows_accept_exactly_the_argmax_prefix():
     assert token_ids == [[3, 7, 1, 9]]
 
 
+def test_a_greedy_request_beside_a_random_one_keeps_the_argmax_and_the_other_draws():
+    torch.manual_seed(3)
+    logits = torch.cat([torch.full((4, VOCAB), -1.0), torch.randn(4, VOCAB)])
+    for row, token in enumerate([3, 7, 2, 9]):  # the greedy request's rows
+        logits[row, token] = 5.0
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    random = SamplingParams(temperature=1.0, max_tokens=8)
+    batch = batch_for([greedy] * 4 + [random] * 4, [DRAFTS[:j] for j in range(4)] * 2)
+    lengths = set()
+    for _ in range(40):
+        token_ids, _ = RejectionSampler()(logits, batch, [DRAFTS, DRAFTS])
+        assert token_ids[0] == [3, 7, 2]
+        *kept, last = token_ids[1]
+        assert kept == DRAFTS[: len(kept)]
+        if len(kept) < len(DRAFTS):  # rejected there: drawn from p without that draft
+            assert last != DRAFTS[len(kept)]
+        lengths.add(len(kept))
+    assert len(lengths) > 1  # random: some drafts kept, some not
+
+
 def test_requests_without_drafts_sample_one_token_beside_verified_ones():
     logits = torch.randn(5, VOCAB)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
