@@ -41,9 +41,8 @@ class AttentionMetadata:
         device: torch.device | str,
     ) -> M:
         """The shared fields of one step, as device tensors (built once on the host)."""
-        table = torch.zeros(len(block_tables), max(map(len, block_tables)), dtype=torch.int64)
-        for i, blocks in enumerate(block_tables):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        width = max(map(len, block_tables))  # rows padded, then one tensor (not one per row)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int64)
         return cls(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
             block_tables=table.to(device),
