@@ -4,7 +4,7 @@
         [--cost-shape Qwen/Qwen3-0.6B] [--model DIR] [--workloads no-repeat]
 
 Part 1, on the demo model (real weights, so acceptance means something), in-process engines
-(`LLM`, the defaults a user gets plus `--speculative-config`), arms alternating round by round:
+(`LLM`, the defaults a user gets plus `--speculative-config`), arms alternating batch by batch:
 
     edit          a code-editing request: the prompt holds a Python module of this repository
                   (its first ~300 tokens), then asks for the same module with a name changed
@@ -148,7 +148,8 @@ def acceptance(llm: LLM, before) -> tuple[float, float]:
 
 
 def part_one(args: argparse.Namespace) -> list[str]:
-    """Every workload and concurrency, the arms alternating within each round."""
+    """Every workload and concurrency, the arms alternating batch by batch (this machine's
+    rate moves within seconds: each batch runs on every arm before the next batch)."""
     llms = {name: LLM(args.model, speculative_config=spec) for name, spec in ARMS.items()}
     warm_up = edit_prompts(llms["none"], edit_files()[-2:])
     for llm in llms.values():  # first steps settle threads and caches: not measured
@@ -157,16 +158,18 @@ def part_one(args: argparse.Namespace) -> list[str]:
     for round_index in range(args.rounds):
         for workload in args.workloads:
             for concurrency in args.concurrency:
-                batches = [
-                    workload_prompts(llms["none"], workload, concurrency, batch)
-                    for batch in range(round_index * args.repeats, (round_index + 1) * args.repeats)
-                ]
-                for name in _rotated(list(ARMS), round_index):
-                    llm = llms[name]
-                    before = llm.engine.stats().spec_decode
-                    runs = [run_batch(llm, prompts, temp) for prompts, temp in batches]
-                    run = BatchRun(*(sum(column) for column in zip(*runs, strict=True)))
-                    measured = Measured(run, *acceptance(llm, before))
+                first = round_index * args.repeats
+                runs: dict[str, list[BatchRun]] = {name: [] for name in ARMS}
+                before = {name: llm.engine.stats().spec_decode for name, llm in llms.items()}
+                for batch in range(first, first + args.repeats):
+                    prompts, temperature = workload_prompts(
+                        llms["none"], workload, concurrency, batch
+                    )
+                    for name in _rotated(list(ARMS), batch):
+                        runs[name].append(run_batch(llms[name], prompts, temperature))
+                for name, llm in llms.items():
+                    run = BatchRun(*(sum(column) for column in zip(*runs[name], strict=True)))
+                    measured = Measured(run, *acceptance(llm, before[name]))
                     results.setdefault((workload, concurrency, name), []).append(measured)
                     print(
                         f"round {round_index + 1}/{args.rounds} {workload} x{concurrency} "
