@@ -205,11 +205,12 @@ class AdaptiveSpeculator(Speculator):
         now_s = self.clock()
         self._learn_from_last_step()
         decoding = [r for r in requests if r.num_tokens - r.num_computed_tokens == 1]
+        if len(decoding) >= self.disable_by_batch_size:
+            self.in_flight = None  # a batch this large is given no drafts, so is not timed
+            return
         self._time_last_step(requests, now_s)
         num_drafts = 0
-        if len(decoding) < self.disable_by_batch_size and not self.costs.needs_plain_step(
-            len(decoding)
-        ):
+        if not self.costs.needs_plain_step(len(decoding)):
             num_drafts = self._draft(decoding)
         self.in_flight = StepInFlight(
             now_s,
