@@ -77,7 +77,8 @@ class StepCosts:
         self.verify: dict[int, TimedBucket] = {}  # by tokens run T = B + D
         self.lookup = TimedBucket()  # the proposer's calls, per request asked
         self.num_steps = 0  # steps timed so far: the buckets' clock
-        self._answers: dict[tuple[int, int], list[float]] = {}  # (B, n): costs, until refreshed
+        self._costs: dict[tuple[int, int], list[float]] = {}  # (B, n): answers until refreshed
+        self._lookup_costs: dict[int, float] = {}  # B: answers until refreshed
 
     def observe(self, num_requests: int, num_drafts: int, seconds: float) -> None:
         """A step of `num_requests` decoding requests verifying `num_drafts` drafts took
@@ -92,22 +93,27 @@ class StepCosts:
         bucket = buckets[shape]
         bucket.add(seconds, self.num_steps)
         if len(bucket.seconds) == MIN_SAMPLES or self.num_steps % REFRESH_STEPS == 0:
-            self._answers.clear()
+            self._forget_answers()
 
     def observe_lookup(self, num_requests: int, seconds: float) -> None:
         """The proposer took `seconds` to draft for `num_requests` requests."""
         self.lookup.add(seconds / num_requests, self.num_steps)
         if len(self.lookup.seconds) == MIN_SAMPLES:
-            self._answers.clear()
+            self._forget_answers()
+
+    def _forget_answers(self) -> None:
+        self._costs.clear()
+        self._lookup_costs.clear()
 
     def lookup_cost(self, num_requests: int) -> float:
         """What asking the proposer for one request costs, in plain steps (0 until timed)."""
-        key = (num_requests, -1)
-        if key not in self._answers:
+        if num_requests not in self._lookup_costs:
             plain_s = self._plain_seconds(num_requests)
-            known = plain_s is not None and self.lookup.is_known(self.num_steps)
-            self._answers[key] = [self.lookup.median_s / plain_s if plain_s and known else 0.0]
-        return self._answers[key][0]
+            cost = 0.0
+            if plain_s and self.lookup.is_known(self.num_steps):
+                cost = self.lookup.median_s / plain_s
+            self._lookup_costs[num_requests] = cost
+        return self._lookup_costs[num_requests]
 
     def needs_plain_step(self, num_requests: int) -> bool:
         """True when plain steps of `num_requests` requests need (re)timing first."""
@@ -118,9 +124,9 @@ class StepCosts:
         """[max_drafts + 1]: the cost of a step verifying D drafts, in plain steps (a list
         kept until the next refresh: not to be changed)."""
         key = (num_requests, max_drafts)
-        if key not in self._answers:
-            self._answers[key] = self._read_costs(num_requests, max_drafts)
-        return self._answers[key]
+        if key not in self._costs:
+            self._costs[key] = self._read_costs(num_requests, max_drafts)
+        return self._costs[key]
 
     def _read_costs(self, num_requests: int, max_drafts: int) -> list[float]:
         plain_s = self._plain_seconds(num_requests)
