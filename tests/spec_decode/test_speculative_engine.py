@@ -15,6 +15,8 @@ from nanoserve.common.config import EngineConfig
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.core.engine import Engine
+from nanoserve.core.request import Request
+from nanoserve.core.speculation import Speculator
 from nanoserve.engine_setup import build_engine
 
 NUM_NEW_TOKENS = 24
@@ -94,6 +96,29 @@ def test_greedy_output_is_unchanged(checkpoint, plain_tokens, proposer, path):
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     if path == "preempted":
         assert engine.stats().num_preemptions_total > 0
+    engine.shutdown()
+
+
+class RecordingSpeculator(Speculator):
+    """Drafts nothing; records the output lengths of the requests it is asked to draft for."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def propose(self, requests: list[Request]) -> None:
+        self.seen.append([r.num_output_tokens for r in requests])
+
+
+def test_drafts_are_proposed_at_the_start_of_a_step_not_before_its_tokens_go_out(checkpoint):
+    engine = make_engine(checkpoint, None)
+    recorder = engine.speculator = RecordingSpeculator()
+    engine.add_request(
+        "a", prompts()[1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Each step's start sees what the steps before it gave; none runs after the last one.
+    assert recorder.seen == [[], [1], [2]]
     engine.shutdown()
 
 
