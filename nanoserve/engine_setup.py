@@ -14,6 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +35,9 @@ from nanoserve.quantization import fp8
 from nanoserve.quantization.int8 import install_int8_linears
 from nanoserve.quantization.kv_cache_fp8 import with_kv_cache_dtype
 
+if TYPE_CHECKING:
+    from nanoserve.spec_decode.suffix import TrieKinds
+
 logger = logging.getLogger("nanoserve.engine_setup")
 
 
@@ -48,14 +52,17 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
     """The platform's paths, with quantization before its linear methods, the KV cache's dtype
     (FP8: quantized on write), structured output, and on rank 0 of a tensor-parallel group the
     step broadcast."""
+    suffix_tries = None  # suffix decoding's tries: Python's, unless the platform has its own
     if device.type == "cuda":
         from nanoserve.platforms.cuda.fast_paths import cuda_fast_paths
 
         paths = cuda_fast_paths(config, device)
     else:
         from nanoserve.platforms.cpu.fast_paths import cpu_fast_paths
+        from nanoserve.platforms.cpu.suffix_tries import cpu_suffix_tries
 
         paths = cpu_fast_paths(config)
+        suffix_tries = cpu_suffix_tries()
     platform_prepare = paths.prepare_model
 
     def prepare_model(model: CausalLM) -> None:
@@ -72,23 +79,27 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
     )
     paths = with_kv_cache_dtype(paths, config.kv_cache_dtype, config.calculate_kv_scales)
     if config.speculative_config is not None:
-        paths = dataclasses.replace(paths, speculator=speculator_for(config, paths.sampler_ops))
+        speculator = speculator_for(config, paths.sampler_ops, suffix_tries)
+        paths = dataclasses.replace(paths, speculator=speculator)
     if tp.size > 1 and tp.is_first:
         paths = with_step_broadcast(paths, StepBroadcaster(tp, device))
     return paths
 
 
 def speculator_for(
-    config: EngineConfig, sampler_ops: SamplerOps
+    config: EngineConfig, sampler_ops: SamplerOps, suffix_tries: TrieKinds | None = None
 ) -> Callable[[torch.device, int, int], Speculator]:
     """Speculative decoding's speculator, built once the engine knows its vocabulary and
     max_model_len (the draft model's engine takes them); its rejection sampler takes the
-    platform's `sampler_ops`, as the engine's sampler does."""
+    platform's `sampler_ops`, as the engine's sampler does, and suffix decoding the platform's
+    `suffix_tries` where it has them."""
 
     def build(device: torch.device, vocab_size: int, max_model_len: int) -> Speculator:
         from nanoserve.spec_decode import build_speculator
 
-        return build_speculator(config, device, vocab_size, max_model_len, sampler_ops)
+        return build_speculator(
+            config, device, vocab_size, max_model_len, sampler_ops, suffix_tries
+        )
 
     return build
 

@@ -16,6 +16,7 @@ from nanoserve.common.config import EngineConfig
 from nanoserve.core.sampler import SamplerOps
 from nanoserve.spec_decode.rejection_sampler import RejectionSampler
 from nanoserve.spec_decode.speculator import AdaptiveSpeculator, Proposer
+from nanoserve.spec_decode.suffix import TrieKinds
 
 
 def build_speculator(
@@ -24,9 +25,11 @@ def build_speculator(
     vocab_size: int,
     max_model_len: int,
     sampler_ops: SamplerOps | None = None,
+    suffix_tries: TrieKinds | None = None,
 ) -> AdaptiveSpeculator:
     """The speculator `config.speculative_config` asks for (it must be set); `sampler_ops`:
-    the rejection sampler's (the platform's, as the engine's sampler has)."""
+    the rejection sampler's (the platform's, as the engine's sampler has); `suffix_tries`:
+    what suffix decoding's tries are made of (the platform's, if it has its own)."""
     spec = config.speculative_config
     assert spec is not None
     proposer: Proposer
@@ -42,6 +45,7 @@ def build_speculator(
             spec.suffix_decoding_max_cached_requests,
             spec.suffix_decoding_max_spec_factor,
             spec.suffix_decoding_min_token_prob,
+            suffix_tries or TrieKinds(),
         )
     else:
         from nanoserve.spec_decode.draft_model import DraftModelProposer

@@ -19,6 +19,8 @@
                             token drawn by inverse transform (sampler_ops.py)
     DecodeLayers            a decode step through every decoder layer in one call, with the
                             kernels above (fused_decode.py), experts included
+    SuffixTrie,             suffix decoding's tries (spec_decode/suffix.py's, the same drafts)
+    GrowingSuffixTrie       without Python's cost a node (suffix_tries.py)
 
 PyTorch's own ops are correct but, for a decode step's short rows, cost their dispatch rather
 than their arithmetic (and PyTorch's int8 kernel converts more slowly than memory delivers).
@@ -82,6 +84,7 @@ SOURCES = (
     "moe_pairs.cpp",
     "prompt_attention.cpp",
     "sampling.cpp",
+    "suffix_trie.cpp",
 )
 MODULE_NAME = "nanoserve_cpu_kernels"
 # -ffp-contract=off: no a * b + c becomes one rounding, so fused_ops round as PyTorch does.

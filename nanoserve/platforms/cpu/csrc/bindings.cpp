@@ -76,4 +76,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sampling_is_vectorized", &sampling_is_vectorized,
         "have row_argmax and draw_rows SIMD paths (AVX-512)?");
   bind_decode_layers(m);
+  bind_suffix_tries(m);
 }

@@ -100,3 +100,6 @@ bool sampling_is_vectorized();
 
 // decode_layers.cpp: the DecodeLayers class
 void bind_decode_layers(pybind11::module& m);
+
+// suffix_trie.cpp: the SuffixTrie and GrowingSuffixTrie classes (suffix decoding's tries)
+void bind_suffix_tries(pybind11::module& m);
