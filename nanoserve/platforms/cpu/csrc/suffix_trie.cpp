@@ -1,9 +1,11 @@
 // Suffix decoding's tries in C++: spec_decode/suffix.py's SuffixTrie and GrowingSuffixTrie,
 // count for count and draft for draft, without Python's ~0.25 us a node (24 nodes a token).
 //
-// A node is an index into `counts_` and `children_`; a node's children are kept in the order
-// they were made (as Python's dicts keep them), since a walk takes the first of the most
-// frequent children. `edges_` finds a child by (node, token).
+// A node is an index into flat arrays: its count, the token on the edge into it, and its
+// children as a list in the order they were made (as Python's dicts keep them: a walk takes
+// the first of the most frequent children). `EdgeTable` finds a child by (node, token). Nothing
+// is allocated per node, so that making and dropping a request's trie (thousands of nodes) is
+// a few large allocations, not thousands of small ones.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,7 +13,6 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -19,9 +20,68 @@ namespace {
 
 using Draft = std::pair<std::vector<int>, double>;  // tokens, expected accepted tokens
 
+// (node, token) -> child node: open addressing with linear probing; removed keys leave a
+// tombstone until the table is rebuilt.
+class EdgeTable {
+ public:
+  EdgeTable() { rebuild(MIN_SLOTS); }
+
+  int find(uint64_t key) const {
+    for (size_t i = slot(key);; i = (i + 1) & mask_) {
+      if (keys_[i] == key) return values_[i];
+      if (keys_[i] == EMPTY) return -1;
+    }
+  }
+
+  void insert(uint64_t key, int value) {  // the key is absent
+    if (2 * (used_ + 1) > keys_.size()) {
+      rebuild(std::max(MIN_SLOTS, 4 * live_ + 4 > keys_.size() ? 2 * keys_.size() : keys_.size()));
+    }
+    size_t i = slot(key);
+    while (keys_[i] != EMPTY && keys_[i] != TOMBSTONE) i = (i + 1) & mask_;
+    used_ += keys_[i] == EMPTY;
+    keys_[i] = key;
+    values_[i] = value;
+    ++live_;
+  }
+
+  void erase(uint64_t key) {  // the key is present
+    size_t i = slot(key);
+    while (keys_[i] != key) i = (i + 1) & mask_;
+    keys_[i] = TOMBSTONE;
+    --live_;
+  }
+
+ private:
+  static constexpr uint64_t EMPTY = ~0ULL, TOMBSTONE = ~0ULL - 1;  // no key is either
+  static constexpr size_t MIN_SLOTS = 1024;
+
+  size_t slot(uint64_t key) const {  // splitmix64's finalizer
+    key = (key ^ (key >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    key = (key ^ (key >> 27)) * 0x94d049bb133111ebULL;
+    return static_cast<size_t>(key ^ (key >> 31)) & mask_;
+  }
+
+  void rebuild(size_t num_slots) {  // a power of two; the live keys only
+    std::vector<uint64_t> keys(num_slots, EMPTY);
+    std::vector<int> values(num_slots);
+    keys.swap(keys_);
+    values.swap(values_);
+    mask_ = num_slots - 1;
+    used_ = live_ = 0;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i] != EMPTY && keys[i] != TOMBSTONE) insert(keys[i], values[i]);
+    }
+  }
+
+  std::vector<uint64_t> keys_;
+  std::vector<int> values_;
+  size_t mask_ = 0, used_ = 0, live_ = 0;  // used: live keys and tombstones
+};
+
 class SuffixTrie {
  public:
-  explicit SuffixTrie(int max_depth) : max_depth_(max_depth), counts_{0}, children_(1) {}
+  explicit SuffixTrie(int max_depth) : max_depth_(max_depth) { new_node(); }  // the root
   virtual ~SuffixTrie() = default;
 
   // Counts (sign 1) or uncounts (-1) the substrings of `tokens` starting at first .. end - 1.
@@ -34,7 +94,7 @@ class SuffixTrie {
         if (child < 0) child = make_child(node, tokens[i]);
         counts_[child] += sign;
         if (counts_[child] == 0) {  // no occurrence left below it either
-          remove_child(node, tokens[i]);
+          remove_child(node, child);
           free_subtree(child);
           break;
         }
@@ -62,42 +122,48 @@ class SuffixTrie {
   int64_t num_nodes() const { return static_cast<int64_t>(counts_.size()); }
 
  protected:
-  struct Child {
-    int token;
-    int node;
-  };
-
   static uint64_t key(int node, int token) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(node)) << 32) |
            static_cast<uint32_t>(token);
   }
 
-  int find(int node, int token) const {
-    auto found = edges_.find(key(node, token));
-    return found == edges_.end() ? -1 : found->second;
+  int find(int node, int token) const { return edges_.find(key(node, token)); }
+
+  int new_node() {  // count 0, no children: a freed one if any
+    if (!free_nodes_.empty()) {
+      const int node = free_nodes_.back();
+      free_nodes_.pop_back();
+      counts_[node] = 0;
+      first_child_[node] = last_child_[node] = next_sibling_[node] = -1;
+      return node;
+    }
+    counts_.push_back(0);
+    token_.push_back(-1);
+    first_child_.push_back(-1);
+    last_child_.push_back(-1);
+    next_sibling_.push_back(-1);
+    return static_cast<int>(counts_.size()) - 1;
   }
 
-  int make_child(int node, int token) {  // count 0, no children
-    int child;
-    if (!free_nodes_.empty()) {
-      child = free_nodes_.back();
-      free_nodes_.pop_back();
-      counts_[child] = 0;
+  int make_child(int node, int token) {  // the last of node's children
+    const int child = new_node();
+    token_[child] = token;
+    if (last_child_[node] < 0) {
+      first_child_[node] = child;
     } else {
-      child = static_cast<int>(counts_.size());
-      counts_.push_back(0);
-      children_.emplace_back();
+      next_sibling_[last_child_[node]] = child;
     }
-    children_[node].push_back({token, child});
-    edges_.emplace(key(node, token), child);
+    last_child_[node] = child;
+    edges_.insert(key(node, token), child);
     return child;
   }
 
-  void remove_child(int node, int token) {
-    auto& kids = children_[node];
-    kids.erase(std::find_if(kids.begin(), kids.end(),
-                            [token](const Child& c) { return c.token == token; }));
-    edges_.erase(key(node, token));
+  void remove_child(int node, int child) {
+    int before = -1;
+    for (int c = first_child_[node]; c != child; c = next_sibling_[c]) before = c;
+    (before < 0 ? first_child_[node] : next_sibling_[before]) = next_sibling_[child];
+    if (last_child_[node] == child) last_child_[node] = before;
+    edges_.erase(key(node, token_[child]));
   }
 
   void free_subtree(int root) {
@@ -105,11 +171,11 @@ class SuffixTrie {
     while (!stack.empty()) {
       const int node = stack.back();
       stack.pop_back();
-      for (const Child& c : children_[node]) {
-        edges_.erase(key(node, c.token));
-        stack.push_back(c.node);
+      for (int c = first_child_[node]; c >= 0; c = next_sibling_[c]) {
+        edges_.erase(key(node, token_[c]));
+        stack.push_back(c);
       }
-      children_[node].clear();
+      first_child_[node] = last_child_[node] = -1;
       free_nodes_.push_back(node);
     }
   }
@@ -147,25 +213,26 @@ class SuffixTrie {
   Draft follow_likeliest(int node, int limit, double min_prob) const {
     Draft drafted{{}, 0.0};
     double prob = 1.0;
-    while (static_cast<int>(drafted.first.size()) < limit && !children_[node].empty()) {
-      const Child* likeliest = &children_[node][0];
-      for (const Child& c : children_[node]) {
-        if (counts_[c.node] > counts_[likeliest->node]) likeliest = &c;
+    while (static_cast<int>(drafted.first.size()) < limit && first_child_[node] >= 0) {
+      int likeliest = first_child_[node];
+      for (int c = next_sibling_[likeliest]; c >= 0; c = next_sibling_[c]) {
+        if (counts_[c] > counts_[likeliest]) likeliest = c;
       }
-      prob *= static_cast<double>(counts_[likeliest->node]) / static_cast<double>(counts_[node]);
+      prob *= static_cast<double>(counts_[likeliest]) / static_cast<double>(counts_[node]);
       if (prob < min_prob) break;
-      drafted.first.push_back(likeliest->token);
+      drafted.first.push_back(token_[likeliest]);
       drafted.second += prob;
-      node = likeliest->node;
+      node = likeliest;
     }
     return drafted;
   }
 
   int max_depth_;
-  std::vector<int64_t> counts_;             // [node]
-  std::vector<std::vector<Child>> children_;  // [node]: in the order they were made
-  std::unordered_map<uint64_t, int> edges_;  // (node, token) -> child
-  std::vector<int> free_nodes_;              // removed nodes, made again first
+  std::vector<int64_t> counts_;  // [node]
+  std::vector<int> token_;        // [node]: the token on the edge into it
+  std::vector<int> first_child_, last_child_, next_sibling_;  // [node]: children, made order
+  EdgeTable edges_;
+  std::vector<int> free_nodes_;  // removed nodes, made again first
 };
 
 // A request's own trie, extended token by token: the nodes of its sequence's suffixes stay
