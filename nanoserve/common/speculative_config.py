@@ -10,6 +10,7 @@ Torch-free: the front validates the flag, the worker builds the speculator from 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "draft_model")
@@ -53,10 +54,10 @@ class SpeculativeConfig:
         _require(
             self.suffix_decoding_max_tree_depth >= 1
             and self.suffix_decoding_max_cached_requests >= 0
-            and self.suffix_decoding_max_spec_factor > 0
+            and 0 < self.suffix_decoding_max_spec_factor < math.inf
             and 0.0 <= self.suffix_decoding_min_token_prob <= 1.0,
             "suffix decoding needs max_tree_depth >= 1, max_cached_requests >= 0, "
-            "max_spec_factor > 0 and min_token_prob in [0, 1]",
+            "a finite max_spec_factor > 0 and min_token_prob in [0, 1]",
         )
         _require(
             self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,

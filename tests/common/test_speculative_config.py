@@ -38,6 +38,10 @@ def test_vllm_shapes_parse_with_vllms_defaults():
             '"prompt_lookup_max": 2}',
             "prompt_lookup_min",
         ),
+        (  # Python's json reads Infinity; a draft as long as infinity times a match is none
+            '{"method": "suffix", "suffix_decoding_max_spec_factor": Infinity}',
+            "a finite max_spec_factor",
+        ),
     ],
 )
 def test_bad_configs_say_what_is_wrong(text, message):

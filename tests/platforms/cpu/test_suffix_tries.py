@@ -13,7 +13,9 @@ from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.engine_setup import build_engine
 from nanoserve.spec_decode import suffix
 
+# (max_tokens, max_spec_factor, min_prob); a factor past any int, as no config allows, too
 SETTINGS = [(24, 1.0, 0.1), (4, 3.0, 0.0), (9, 0.5, 0.3), (8, 1.0, 0.5), (3, 0.0, 0.1)]
+SETTINGS += [(5, 1e300, 0.0)]
 
 
 @pytest.mark.parametrize("depth", [1, 2, 5, 24])

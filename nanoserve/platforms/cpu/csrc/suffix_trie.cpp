@@ -180,6 +180,12 @@ class SuffixTrie {
     }
   }
 
+  // The longest draft after a match of `match_len` tokens: min(max_tokens, int(factor * m)),
+  // the minimum taken before the conversion (so that no factor overflows an int).
+  static int draft_limit(int max_tokens, double factor, int match_len) {
+    return static_cast<int>(std::min<double>(max_tokens, factor * match_len));
+  }
+
   // Of the drafts after each matched suffix (`nodes`, of lengths 1, 2, ...), the best: the
   // highest score, ties to the longer match; walks go highest possible score first and stop
   // once none left can win (suffix.py's `best_draft`).
@@ -187,7 +193,7 @@ class SuffixTrie {
                    double min_prob) const {
     std::vector<std::pair<int, int>> bounds;  // (the most a draft can score, match length)
     for (int match_len = 1; match_len <= static_cast<int>(nodes.size()); ++match_len) {
-      const int limit = std::min(max_tokens, static_cast<int>(factor * match_len));
+      const int limit = draft_limit(max_tokens, factor, match_len);
       bounds.emplace_back(std::min(limit, max_depth_ - match_len), match_len);
     }
     std::sort(bounds.begin(), bounds.end(), std::greater<>());
@@ -197,7 +203,7 @@ class SuffixTrie {
       if (bound <= 0 || bound < best.second || (bound == best.second && match_len < best_len)) {
         break;
       }
-      const int limit = std::min(max_tokens, static_cast<int>(factor * match_len));
+      const int limit = draft_limit(max_tokens, factor, match_len);
       Draft drafted = follow_likeliest(nodes[match_len - 1], limit, min_prob);
       if (drafted.second > best.second ||
           (drafted.second == best.second && best.second > 0 && match_len > best_len)) {
