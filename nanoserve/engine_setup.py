@@ -52,7 +52,9 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
     """The platform's paths, with quantization before its linear methods, the KV cache's dtype
     (FP8: quantized on write), structured output, and on rank 0 of a tensor-parallel group the
     step broadcast."""
-    suffix_tries = None  # suffix decoding's tries: Python's, unless the platform has its own
+    # The platform's own tries for suffix decoding, if it has them (asked for only when
+    # speculating; otherwise Python's).
+    platform_suffix_tries: Callable[[], TrieKinds | None] | None = None
     if device.type == "cuda":
         from nanoserve.platforms.cuda.fast_paths import cuda_fast_paths
 
@@ -62,7 +64,7 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
         from nanoserve.platforms.cpu.suffix_tries import cpu_suffix_tries
 
         paths = cpu_fast_paths(config)
-        suffix_tries = cpu_suffix_tries()
+        platform_suffix_tries = cpu_suffix_tries
     platform_prepare = paths.prepare_model
 
     def prepare_model(model: CausalLM) -> None:
@@ -79,7 +81,8 @@ def fast_paths_for(config: EngineConfig, device: torch.device, tp: TensorParalle
     )
     paths = with_kv_cache_dtype(paths, config.kv_cache_dtype, config.calculate_kv_scales)
     if config.speculative_config is not None:
-        speculator = speculator_for(config, paths.sampler_ops, suffix_tries)
+        tries = platform_suffix_tries() if platform_suffix_tries is not None else None
+        speculator = speculator_for(config, paths.sampler_ops, tries)
         paths = dataclasses.replace(paths, speculator=speculator)
     if tp.size > 1 and tp.is_first:
         paths = with_step_broadcast(paths, StepBroadcaster(tp, device))
