@@ -25,6 +25,8 @@ DRAFT_GPU_SHARE = 0.08
 class DraftModelProposer:
     """Drafts with a smaller model run by its own engine."""
 
+    sizes_drafts_by_likelihood = False  # it drafts as many as asked
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 

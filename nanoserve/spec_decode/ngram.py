@@ -44,6 +44,8 @@ class TokenArray:
 class NgramProposer:
     """Prompt lookup over each request's own tokens (vLLM's `ngram` method)."""
 
+    sizes_drafts_by_likelihood = False  # a match's draft runs to the limit
+
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
         self.max_n = max_n

@@ -25,6 +25,11 @@ When to draft (speculation must never make a workload meaningfully slower):
 - A request given no drafts pauses (4 steps, doubling each time up to 512, back to 4 once
   it drafts by the rule above), then tries one draft whatever it costs: its chance starts over
   from `FRESH_CHANCE`, so a hit (~0.7) brings its drafts back and a miss pauses it longer.
+- A proposer whose drafts are as long as it is sure of them (suffix decoding: a draft as long
+  as its match and as its continuation stays likely) is asked about a paused request every
+  `PEEK_EVERY` steps of its pause: a draft of `LONG_DRAFT` tokens or more (the request repeats
+  a passage that it or an earlier request wrote, whose first draft holds ~9 times in 10 where
+  a one-token draft holds ~1 in 4) ends the pause, and is verified whole.
 - A request for which the proposer finds nothing (no n-gram match) is asked again at once, but
   where a proposer call costs `DEAR_LOOKUP` (1%) of a plain step or more (timed, as the steps
   are), after 1, 3, 7 and then 15 steps while it keeps finding nothing.
@@ -59,11 +64,17 @@ FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 4, 512
 MAX_EMPTY_WAIT_STEPS = 15  # the longest wait after the proposer found nothing to draft
 DEAR_LOOKUP = 0.01  # a proposer call costing this share of a plain step is worth sparing
 FRESH_CHANCE = 0.3  # the estimate a request's trial draft starts from after a pause
+PEEK_EVERY = 4  # a paused request's steps between asks, where drafts' lengths tell
+LONG_DRAFT = 6  # a draft this long, asked for during a pause, ends the pause
 LOG_INTERVAL_S = 10.0
 
 
 class Proposer(Protocol):
     """Drafts tokens for a batch of requests."""
+
+    # Whether a longer draft is a surer one (its length: what the proposer expects to hold,
+    # not the limit it was given): then a long draft ends a pause (see above).
+    sizes_drafts_by_likelihood: bool
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
         """At most `num_tokens[i]` draft tokens for `requests[i]` (maybe none)."""
@@ -93,6 +104,7 @@ class DraftHistory:
     pause_steps: int = 0  # steps left without drafts
     next_pause: int = FIRST_PAUSE_STEPS
     is_trial_due: bool = False  # after its pause: one draft, whatever it costs
+    is_peeking: bool = False  # paused by the plan (not waiting after empty lookups): may peek
     empty_wait_steps: int = 0  # the wait after the proposer next finds nothing to draft
 
     @property
@@ -130,17 +142,29 @@ class DraftHistory:
         self.pause_steps = self.next_pause - 1
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
         self.accepted, self.reached = [FRESH_CHANCE], [1.0]
-        self.is_trial_due = True
+        self.is_trial_due = self.is_peeking = True
+
+    @property
+    def is_peek_due(self) -> bool:
+        """Whether this step of its pause is one to ask the proposer (every `PEEK_EVERY`th,
+        counted from the pause's end)."""
+        return self.is_peeking and self.pause_steps % PEEK_EVERY == 0
+
+    def end_pause(self) -> None:
+        """A long draft came up while paused: draft again now."""
+        self.pause_steps = 0
+        self.is_trial_due = self.is_peeking = False
 
     def found(self, num_drafts: int, is_lookup_dear: bool) -> None:
         """The proposer gave `num_drafts` drafts; none again and again, where asking it costs
         a share of a step worth sparing: ask less often (0, 1, 3, 7 ... steps later)."""
         if num_drafts:
-            self.empty_wait_steps, self.is_trial_due = 0, False
+            self.empty_wait_steps, self.is_trial_due, self.is_peeking = 0, False, False
             return
         if not is_lookup_dear:
             return
         self.pause_steps = max(self.pause_steps, self.empty_wait_steps)
+        self.is_peeking = False
         self.empty_wait_steps = min(2 * self.empty_wait_steps + 1, MAX_EMPTY_WAIT_STEPS)
 
 
@@ -222,8 +246,9 @@ class AdaptiveSpeculator(Speculator):
     def _draft(self, decoding: list[Request]) -> int:
         """Give the decoding requests the drafts that pay (see above); how many in all."""
         limits = [self._draft_limit(r) for r in decoding]
+        num_drafts = self._peek(decoding, limits)
         if not any(limits):
-            return 0
+            return num_drafts
         histories = [self.histories[r.request_id][1] for r in decoding]
         is_trial = [h.is_trial_due and n > 0 for h, n in zip(histories, limits, strict=True)]
         planned = plan_drafts(
@@ -245,7 +270,7 @@ class AdaptiveSpeculator(Speculator):
                     history.next_pause = FIRST_PAUSE_STEPS  # drafting pays for it again
             elif limit > 0:
                 history.pause()
-        return self._give_drafts(chosen, counts) if chosen else 0
+        return num_drafts + (self._give_drafts(chosen, counts) if chosen else 0)
 
     def _give_drafts(self, requests: list[Request], counts: list[int]) -> int:
         """Ask the proposer for up to `counts[i]` drafts of `requests[i]`; how many it gave."""
@@ -255,19 +280,45 @@ class AdaptiveSpeculator(Speculator):
         is_lookup_dear = self.costs.lookup_cost(len(requests)) >= DEAR_LOOKUP
         num_drafts = 0
         for request, drafts in zip(requests, proposed, strict=True):
-            if request.grammar is not None:  # only what the grammar accepts is drafted
-                drafts = drafts[: request.grammar.count_valid(drafts)]
-            request.spec_token_ids = drafts
-            history = self.histories[request.request_id][1]
-            history.num_drafted = len(drafts)
-            history.num_output_before = request.num_output_tokens
-            history.found(len(drafts), is_lookup_dear)
-            num_drafts += len(drafts)
+            history = self._hand_over(request, drafts)
+            history.found(history.num_drafted, is_lookup_dear)
+            num_drafts += history.num_drafted
         return num_drafts
+
+    def _peek(self, decoding: list[Request], limits: list[int]) -> int:
+        """Ask about the paused requests due a peek (see above); a draft of `LONG_DRAFT`
+        tokens or more ends a pause. How many drafts were given."""
+        if not self.proposer.sizes_drafts_by_likelihood:
+            return 0
+        peeking, room = [], []
+        for request, limit in zip(decoding, limits, strict=True):
+            history = self.histories[request.request_id][1]
+            is_paused = limit == 0 and history.pause_steps > 0 and not request.grammar_future
+            if is_paused and history.is_peek_due and (num_room := self._room(request)):
+                peeking.append(request)
+                room.append(num_room)
+        if not peeking:
+            return 0
+        num_drafts = 0
+        for request, drafts in zip(peeking, self.proposer.propose(peeking, room), strict=True):
+            if len(drafts) >= LONG_DRAFT:
+                history = self._hand_over(request, drafts)
+                history.end_pause()
+                num_drafts += history.num_drafted
+        return num_drafts
+
+    def _hand_over(self, request: Request, drafts: list[int]) -> DraftHistory:
+        """Give `request` these drafts (cut where its grammar refuses); its history."""
+        if request.grammar is not None:  # only what the grammar accepts is drafted
+            drafts = drafts[: request.grammar.count_valid(drafts)]
+        request.spec_token_ids = drafts
+        history = self.histories[request.request_id][1]
+        history.num_drafted = len(drafts)
+        history.num_output_before = request.num_output_tokens
+        return history
 
     def _draft_limit(self, request: Request) -> int:
         """How many tokens `request` may have drafted for its next step (0: none)."""
-        params = request.sampling_params
         if request.request_id not in self.histories:  # (not setdefault: made once, not per step)
             self.histories[request.request_id] = (request, DraftHistory())
         history = self.histories[request.request_id][1]
@@ -276,9 +327,15 @@ class AdaptiveSpeculator(Speculator):
         if history.pause_steps > 0:
             history.pause_steps -= 1
             return 0
-        if params.max_tokens is None:
+        return self._room(request)
+
+    def _room(self, request: Request) -> int:
+        """The most drafts `request` can take: `num_speculative_tokens`, and one fewer than
+        the tokens it has left."""
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
             return self.num_speculative_tokens
-        num_left = params.max_tokens - request.num_output_tokens - 1  # after the verified token
+        num_left = max_tokens - request.num_output_tokens - 1  # after the verified token
         return max(0, min(self.num_speculative_tokens, num_left))
 
     def _time_last_step(self, requests: list[Request], now_s: float) -> None:

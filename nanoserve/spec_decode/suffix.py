@@ -256,6 +256,8 @@ class SuffixProposer:
     draft for) `finish` also counts an eighth of what is pending, so it stays bounded.
     """
 
+    sizes_drafts_by_likelihood = True  # a draft stops where its match's limit or likelihood does
+
     def __init__(
         self,
         max_depth: int,

@@ -13,6 +13,8 @@ from nanoserve.common.speculative_config import SpeculativeConfig
 from nanoserve.core.request import Request
 from nanoserve.spec_decode.speculator import (
     FIRST_PAUSE_STEPS,
+    LONG_DRAFT,
+    PEEK_EVERY,
     AdaptiveSpeculator,
     DraftHistory,
     plan_drafts,
@@ -22,6 +24,8 @@ from nanoserve.spec_decode.step_costs import MIN_SAMPLES, StepCosts
 
 class FixedProposer:
     """Drafts `draft` (cut to the limit) for every request it is asked about."""
+
+    sizes_drafts_by_likelihood = False
 
     def __init__(self, draft: list[int]) -> None:
         self.draft = draft
@@ -295,3 +299,47 @@ def test_drafts_that_hold_together_are_estimated_by_position():
     assert second / first > 0.8 and third / second > 0.8  # where one chance would say 0.59
     chances = history.acceptance(5)  # positions never reached keep the last one's chance
     assert chances[3] / chances[2] == pytest.approx(third / second)
+
+
+class LikelihoodProposer(FixedProposer):
+    """A FixedProposer whose drafts' lengths say how sure it is (as suffix decoding's)."""
+
+    sizes_drafts_by_likelihood = True
+
+
+def paused_steps(spec: AdaptiveSpeculator, request: Request, num_steps: int) -> list[list[int]]:
+    """`num_steps` steps whose drafts all miss; the drafts given for each."""
+    given = []
+    for _ in range(num_steps):
+        spec.propose([request])
+        given.append(list(request.spec_token_ids))
+        step(request, 0)
+    return given
+
+
+@pytest.mark.parametrize("sizes_by_likelihood", [True, False])
+def test_a_long_draft_ends_a_pause_where_a_drafts_length_says_how_sure_it_is(sizes_by_likelihood):
+    proposer = (LikelihoodProposer if sizes_by_likelihood else FixedProposer)([7, 8])
+    spec = speculator(proposer, num_speculative_tokens=2 * LONG_DRAFT)
+    request = decoding("a", max_tokens=None)
+    spec.propose([request])
+    step(request, 2)
+    history = spec.histories["a"][1]
+    history.next_pause = 4 * PEEK_EVERY
+    history.pause()  # 16 steps without drafts (this one the first)
+    proposer.asked.clear()
+    # Short drafts (2 tokens) leave the pause as it is; asked only every PEEK_EVERY steps.
+    assert paused_steps(spec, request, 2 * PEEK_EVERY) == [[]] * (2 * PEEK_EVERY)
+    assert len(proposer.asked) == (2 if sizes_by_likelihood else 0)
+    long_draft = list(range(10, 10 + LONG_DRAFT))
+    proposer.draft = long_draft
+    assert paused_steps(spec, request, PEEK_EVERY - 2) == [[], []]
+    if not sizes_by_likelihood:  # a draft model's or n-gram's length says nothing: paused on
+        assert paused_steps(spec, request, 1) == [[]] and proposer.asked == []
+        return
+    spec.propose([request])
+    assert request.spec_token_ids == long_draft  # the next peek: the whole draft, verified
+    assert history.pause_steps == 0 and not history.is_trial_due
+    step(request, LONG_DRAFT)  # it held: drafting by the plan again
+    spec.propose([request])
+    assert len(request.spec_token_ids) > 0
