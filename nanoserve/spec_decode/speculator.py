@@ -30,6 +30,10 @@ When to draft (speculation must never make a workload meaningfully slower):
   `PEEK_EVERY` steps of its pause: a draft of `LONG_DRAFT` tokens or more (the request repeats
   a passage that it or an earlier request wrote, whose first draft holds ~9 times in 10 where
   a one-token draft holds ~1 in 4) ends the pause, and is verified whole.
+- Steps in which no request can draft (every one paused, none due a peek or a trial) cost a
+  comparison: the speculator counts their pauses down ahead and returns at once while the
+  same requests run (a `QuietSpell`; a small model's step is well under a millisecond, and the
+  bookkeeping of a paused step was a few percent of it).
 - A request for which the proposer finds nothing (no n-gram match) is asked again at once, but
   where a proposer call costs `DEAR_LOOKUP` (1%) of a plain step or more (timed, as the steps
   are), after 1, 3, 7 and then 15 steps while it keeps finding nothing.
@@ -150,6 +154,12 @@ class DraftHistory:
         counted from the pause's end)."""
         return self.is_peeking and self.pause_steps % PEEK_EVERY == 0
 
+    def steps_without_news(self, can_peek: bool) -> int:
+        """The coming steps in which it surely neither drafts nor peeks."""
+        if can_peek and self.is_peeking:
+            return min(self.pause_steps, (self.pause_steps - 1) % PEEK_EVERY)
+        return self.pause_steps
+
     def end_pause(self) -> None:
         """A long draft came up while paused: draft again now."""
         self.pause_steps = 0
@@ -203,6 +213,23 @@ class StepInFlight:
     is_decode_only: bool  # every running request was decoding
 
 
+@dataclass
+class QuietSpell:
+    """Steps in which no request can draft: `propose` skips them while the same `requests`
+    run. Their histories' pauses were counted down by `num_steps` when it began."""
+
+    requests: list[Request]
+    histories: list[DraftHistory]
+    num_steps: int  # steps left to skip
+
+    def holds_for(self, requests: list[Request]) -> bool:
+        return (
+            self.num_steps > 0
+            and len(requests) == len(self.requests)
+            and all(a is b for a, b in zip(requests, self.requests, strict=True))
+        )
+
+
 class AdaptiveSpeculator(Speculator):
     """Implements the core's `Speculator`: drafts where they pay, verifies, counts."""
 
@@ -222,11 +249,14 @@ class AdaptiveSpeculator(Speculator):
         self.rejection_sampler = rejection_sampler or RejectionSampler()
         self.histories: dict[str, tuple[Request, DraftHistory]] = {}
         self.in_flight: StepInFlight | None = None
+        self.quiet: QuietSpell | None = None
         self.totals = SpecDecodeStats(num_accepted_per_position=[0] * config.num_speculative_tokens)
         self._logged = (time.monotonic(), SpecDecodeStats())
 
     def propose(self, requests: list[Request]) -> None:
         now_s = self.clock()
+        if self.quiet is not None and self._stays_quiet(requests, now_s):
+            return
         self._learn_from_last_step()
         decoding = [r for r in requests if r.num_tokens - r.num_computed_tokens == 1]
         if len(decoding) >= self.disable_by_batch_size:
@@ -242,6 +272,36 @@ class AdaptiveSpeculator(Speculator):
             num_drafts,
             len(decoding) == len(requests),
         )
+        if num_drafts == 0 and len(decoding) == len(requests):
+            self._begin_quiet(requests)
+
+    def _begin_quiet(self, requests: list[Request]) -> None:
+        """Skip the coming steps in which none of these (decoding, given no drafts) can draft."""
+        pairs = [self.histories.get(r.request_id) for r in requests]
+        if not requests or None in pairs:
+            return  # (a request not yet seen by `_draft`: a plain step to time)
+        histories = [pair[1] for pair in pairs if pair is not None]
+        can_peek = self.proposer.sizes_drafts_by_likelihood
+        num_steps = min(h.steps_without_news(can_peek) for h in histories)
+        if num_steps > 0:
+            for history in histories:
+                history.pause_steps -= num_steps
+            self.quiet = QuietSpell(list(requests), histories, num_steps)
+
+    def _stays_quiet(self, requests: list[Request], now_s: float) -> bool:
+        """Whether this step is one of the quiet spell's; if the requests changed, the steps
+        it did not skip are its requests' pauses again."""
+        spell = self.quiet
+        assert spell is not None
+        if spell.holds_for(requests):
+            spell.num_steps -= 1
+            self._time_last_step(requests, now_s)  # the step that began it, timed as usual
+            self.in_flight = None
+            return True
+        for history in spell.histories:
+            history.pause_steps += spell.num_steps
+        self.quiet = None
+        return False
 
     def _draft(self, decoding: list[Request]) -> int:
         """Give the decoding requests the drafts that pay (see above); how many in all."""

@@ -153,7 +153,10 @@ def test_fewer_drafts_as_they_fail_then_a_pause_then_one_draft_again():
     step(request, 0)
     spec.propose([request])  # missed again, 0.07: paused (drafting paid last: not longer)
     assert request.spec_token_ids == []
-    assert spec.histories["a"][1].pause_steps == FIRST_PAUSE_STEPS - 1
+    step(request, 0)
+    assert paused_steps(spec, request, FIRST_PAUSE_STEPS - 1) == [[]] * (FIRST_PAUSE_STEPS - 1)
+    spec.propose([request])
+    assert request.spec_token_ids == [7]  # the next trial
 
 
 def test_a_request_that_accepts_some_drafts_keeps_drafting_fewer():
@@ -343,3 +346,70 @@ def test_a_long_draft_ends_a_pause_where_a_drafts_length_says_how_sure_it_is(siz
     step(request, LONG_DRAFT)  # it held: drafting by the plan again
     spec.propose([request])
     assert len(request.spec_token_ids) > 0
+
+
+class ScriptedProposer(LikelihoodProposer):
+    """Drafts 0 to 8 tokens, as many as a hash of the request's id and length says, and
+    takes a twentieth of a step on the clock to say so (a lookup worth sparing)."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__([])
+        self.clock = clock
+
+    def propose(self, requests, num_tokens):
+        self.asked.append([r.request_id for r in requests])
+        self.clock.now_s += 0.05
+        return [
+            list(range(100, 100 + min(n, scripted(r.request_id, r.num_tokens, 9))))
+            for r, n in zip(requests, num_tokens, strict=True)
+        ]
+
+
+def scripted(request_id: str, num_tokens: int, modulo: int) -> int:
+    return (sum(map(ord, request_id)) * 7919 + num_tokens * 104729) % 997 % modulo
+
+
+class NeverQuiet(AdaptiveSpeculator):
+    def _begin_quiet(self, requests):
+        pass
+
+
+def test_quiet_spells_skip_steps_without_changing_a_single_draft():
+    """Requests joining and leaving, drafts of every length accepted in part: the drafts given
+    at every step are the same with quiet spells as without, in fewer full proposes."""
+    runs = []
+    for speculator_class in (AdaptiveSpeculator, NeverQuiet):
+        clock = Clock()
+        proposer = ScriptedProposer(clock)
+        spec = speculator_class(
+            proposer,
+            SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 8}),
+            timed_costs({2: 1.3, 5: 1.6, 9: 2.2}),
+            clock,
+        )
+        requests = {name: decoding(name, max_tokens=None) for name in "abcd"}
+        given, num_full = [], 0
+        original = spec._learn_from_last_step
+
+        def counted(original=original):
+            nonlocal num_full
+            num_full += 1
+            original()
+
+        spec._learn_from_last_step = counted  # type: ignore[method-assign]
+        for index in range(600):
+            if index < 300:  # (as if preempted and resumed now and then)
+                running = [r for name, r in requests.items() if scripted(name, index // 10, 3)]
+            else:  # one request alone, so pauses grow long, and another now and then
+                running = [requests["a"]] + ([requests["b"]] if index % 37 == 0 else [])
+            spec.propose(running)
+            given.append([list(r.spec_token_ids) for r in running])
+            clock.now_s += 1.0
+            for request in running:
+                drafts = len(request.spec_token_ids)
+                step(request, min(drafts, scripted(request.request_id, request.num_tokens, 4)))
+        runs.append((given, num_full, spec.totals, proposer.asked))
+    (quiet, num_quiet_full, quiet_totals, quiet_asked), (every, num_every, totals, asked) = runs
+    assert quiet == every and quiet_asked == asked and quiet_totals == totals
+    assert sum(map(len, asked)) > 50  # drafts were asked for, and given
+    assert num_every == 600 and num_quiet_full < 500  # (483 as written)
