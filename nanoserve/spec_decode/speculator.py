@@ -25,11 +25,15 @@ When to draft (speculation must never make a workload meaningfully slower):
 - A request given no drafts pauses (4 steps, doubling each time up to 512, back to 4 once
   it drafts by the rule above), then tries one draft whatever it costs: its chance starts over
   from `FRESH_CHANCE`, so a hit (~0.7) brings its drafts back and a miss pauses it longer.
+  Trials fall on steps whose number is a multiple of `PEEK_EVERY` (a pause runs up to 3 steps
+  longer), as peeks do (below): a batch's paused requests try and peek in the same steps,
+  which share one verify step's cost, and the steps between are quiet.
 - A proposer whose drafts are as long as it is sure of them (suffix decoding: a draft as long
   as its match and as its continuation stays likely) is asked about a paused request every
-  `PEEK_EVERY` steps of its pause: a draft of `LONG_DRAFT` tokens or more (the request repeats
-  a passage that it or an earlier request wrote, whose first draft holds ~9 times in 10 where
-  a one-token draft holds ~1 in 4) ends the pause, and is verified whole.
+  `PEEK_EVERY` steps (those whose number is a multiple of it): a draft of `LONG_DRAFT` tokens
+  or more (the request repeats a passage that it or an earlier request wrote, whose first
+  draft holds ~9 times in 10 where a one-token draft holds ~1 in 4) ends the pause, and is
+  verified whole.
 - Steps in which no request can draft (every one paused, none due a peek or a trial) cost a
   comparison: the speculator counts their pauses down ahead and returns at once while the
   same requests run (a `QuietSpell`; a small model's step is well under a millisecond, and the
@@ -141,23 +145,25 @@ class DraftHistory:
                 self.reached[position] += 1.0
                 self.accepted[position] += 1.0 if position < num_accepted else 0.0
 
-    def pause(self) -> None:
-        """No drafts for a while (this step the first), then a trial from a fresh estimate."""
-        self.pause_steps = self.next_pause - 1
+    def pause(self, step_index: int) -> None:
+        """No drafts for a while (this step, number `step_index`, the first), then a trial from
+        a fresh estimate, on a step whose number is a multiple of `PEEK_EVERY` (as peeks are:
+        a batch's requests try and peek in the same steps, and skip the ones between)."""
+        steps = self.next_pause - 1
+        self.pause_steps = steps + -(step_index + steps + 1) % PEEK_EVERY
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
         self.accepted, self.reached = [FRESH_CHANCE], [1.0]
         self.is_trial_due = self.is_peeking = True
 
-    @property
-    def is_peek_due(self) -> bool:
-        """Whether this step of its pause is one to ask the proposer (every `PEEK_EVERY`th,
-        counted from the pause's end)."""
-        return self.is_peeking and self.pause_steps % PEEK_EVERY == 0
+    def is_peek_due(self, step_index: int) -> bool:
+        """Whether step number `step_index` of its pause is one to ask the proposer in."""
+        return self.is_peeking and step_index % PEEK_EVERY == 0
 
-    def steps_without_news(self, can_peek: bool) -> int:
-        """The coming steps in which it surely neither drafts nor peeks."""
+    def steps_without_news(self, can_peek: bool, step_index: int) -> int:
+        """The steps after step number `step_index` in which it surely neither drafts nor
+        peeks."""
         if can_peek and self.is_peeking:
-            return min(self.pause_steps, (self.pause_steps - 1) % PEEK_EVERY)
+            return min(self.pause_steps, PEEK_EVERY - 1 - step_index % PEEK_EVERY)
         return self.pause_steps
 
     def end_pause(self) -> None:
@@ -250,11 +256,13 @@ class AdaptiveSpeculator(Speculator):
         self.histories: dict[str, tuple[Request, DraftHistory]] = {}
         self.in_flight: StepInFlight | None = None
         self.quiet: QuietSpell | None = None
+        self.step_index = 0  # steps proposed for (the clock of pauses and peeks)
         self.totals = SpecDecodeStats(num_accepted_per_position=[0] * config.num_speculative_tokens)
         self._logged = (time.monotonic(), SpecDecodeStats())
 
     def propose(self, requests: list[Request]) -> None:
         now_s = self.clock()
+        self.step_index += 1
         if self.quiet is not None and self._stays_quiet(requests, now_s):
             return
         self._learn_from_last_step()
@@ -282,7 +290,7 @@ class AdaptiveSpeculator(Speculator):
             return  # (a request not yet seen by `_draft`: a plain step to time)
         histories = [pair[1] for pair in pairs if pair is not None]
         can_peek = self.proposer.sizes_drafts_by_likelihood
-        num_steps = min(h.steps_without_news(can_peek) for h in histories)
+        num_steps = min(h.steps_without_news(can_peek, self.step_index) for h in histories)
         if num_steps > 0:
             for history in histories:
                 history.pause_steps -= num_steps
@@ -329,7 +337,7 @@ class AdaptiveSpeculator(Speculator):
                 if not trial:
                     history.next_pause = FIRST_PAUSE_STEPS  # drafting pays for it again
             elif limit > 0:
-                history.pause()
+                history.pause(self.step_index)
         return num_drafts + (self._give_drafts(chosen, counts) if chosen else 0)
 
     def _give_drafts(self, requests: list[Request], counts: list[int]) -> int:
@@ -354,7 +362,8 @@ class AdaptiveSpeculator(Speculator):
         for request, limit in zip(decoding, limits, strict=True):
             history = self.histories[request.request_id][1]
             is_paused = limit == 0 and history.pause_steps > 0 and not request.grammar_future
-            if is_paused and history.is_peek_due and (num_room := self._room(request)):
+            is_due = is_paused and history.is_peek_due(self.step_index)
+            if is_due and (num_room := self._room(request)):
                 peeking.append(request)
                 room.append(num_room)
         if not peeking:

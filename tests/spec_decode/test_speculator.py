@@ -138,25 +138,28 @@ def test_fewer_drafts_as_they_fail_then_a_pause_then_one_draft_again():
         lengths.append(len(request.spec_token_ids))
         step(request, 0)
     assert lengths == [3, 2, 1, 1]  # at 0.13 one draft still pays: it costs 0.1 of a step
-    num_paused = 0
-    while True:  # at 0.08 not even one: plain steps for a while
-        spec.propose([request])
-        if request.spec_token_ids:
-            break
-        num_paused += 1
-        step(request, 0)
-    assert num_paused == FIRST_PAUSE_STEPS
+    # At 0.08 not even one: plain steps for a while, FIRST_PAUSE_STEPS or up to PEEK_EVERY - 1
+    # more, so that the trial falls on a step whose number is a multiple of PEEK_EVERY.
+    assert FIRST_PAUSE_STEPS <= steps_without_drafts(spec, request) < 2 * FIRST_PAUSE_STEPS
+    assert spec.step_index % PEEK_EVERY == 0
     assert request.spec_token_ids == [7]  # then one draft again
     step(request, 0)
     spec.propose([request])  # the trial missed: 0.3 -> 0.12, still worth a tenth of a step
     assert request.spec_token_ids == [7]
-    step(request, 0)
-    spec.propose([request])  # missed again, 0.07: paused (drafting paid last: not longer)
-    assert request.spec_token_ids == []
-    step(request, 0)
-    assert paused_steps(spec, request, FIRST_PAUSE_STEPS - 1) == [[]] * (FIRST_PAUSE_STEPS - 1)
-    spec.propose([request])
-    assert request.spec_token_ids == [7]  # the next trial
+    step(request, 0)  # missed again, 0.07: paused (drafting paid last: not longer)
+    assert FIRST_PAUSE_STEPS <= steps_without_drafts(spec, request) < 2 * FIRST_PAUSE_STEPS
+    assert request.spec_token_ids == [7] and spec.step_index % PEEK_EVERY == 0  # a trial
+
+
+def steps_without_drafts(spec: AdaptiveSpeculator, request: Request) -> int:
+    """Steps (whose drafts all miss) until `request` is given drafts, in its step."""
+    num_steps = 0
+    while True:
+        spec.propose([request])
+        if request.spec_token_ids:
+            return num_steps
+        num_steps += 1
+        step(request, 0)
 
 
 def test_a_request_that_accepts_some_drafts_keeps_drafting_fewer():
@@ -252,11 +255,12 @@ def test_steps_timed_on_the_clock_decide_the_drafts():
     dear = run_timed(spec, clock, decoding("b", max_tokens=None), 1.0, 0.8, 30, 1)
     assert spec.costs.relative_costs(1, 2)[2] == pytest.approx(3.4)
     first_pause = dear.index(0, MIN_SAMPLES)  # once the 3-token step is timed dear: none
-    assert dear[first_pause : first_pause + FIRST_PAUSE_STEPS] == [0] * FIRST_PAUSE_STEPS
-    trial = first_pause + FIRST_PAUSE_STEPS
-    assert dear[trial] == 1  # a trial, then a pause twice as long, and another trial
-    assert dear[trial + 1 : trial + 1 + 2 * FIRST_PAUSE_STEPS] == [0] * 2 * FIRST_PAUSE_STEPS
-    assert dear[trial + 1 + 2 * FIRST_PAUSE_STEPS] == 1
+    trial = dear.index(1, first_pause)  # a trial, then a pause twice as long, and another
+    second_trial = dear.index(1, trial + 1)
+    assert FIRST_PAUSE_STEPS <= trial - first_pause < FIRST_PAUSE_STEPS + PEEK_EVERY
+    assert 2 * FIRST_PAUSE_STEPS <= second_trial - trial - 1 < 2 * FIRST_PAUSE_STEPS + PEEK_EVERY
+    assert (trial + 1) % PEEK_EVERY == 0 and (second_trial + 1) % PEEK_EVERY == 0  # (steps
+    # counted from 1)
 
 
 class EmptyProposer(FixedProposer):
@@ -329,19 +333,19 @@ def test_a_long_draft_ends_a_pause_where_a_drafts_length_says_how_sure_it_is(siz
     step(request, 2)
     history = spec.histories["a"][1]
     history.next_pause = 4 * PEEK_EVERY
-    history.pause()  # 16 steps without drafts (this one the first)
+    history.pause(spec.step_index)  # 16 steps or more without drafts (this one the first)
     proposer.asked.clear()
     # Short drafts (2 tokens) leave the pause as it is; asked only every PEEK_EVERY steps.
     assert paused_steps(spec, request, 2 * PEEK_EVERY) == [[]] * (2 * PEEK_EVERY)
     assert len(proposer.asked) == (2 if sizes_by_likelihood else 0)
     long_draft = list(range(10, 10 + LONG_DRAFT))
     proposer.draft = long_draft
-    assert paused_steps(spec, request, PEEK_EVERY - 2) == [[], []]
     if not sizes_by_likelihood:  # a draft model's or n-gram's length says nothing: paused on
-        assert paused_steps(spec, request, 1) == [[]] and proposer.asked == []
+        assert paused_steps(spec, request, PEEK_EVERY) == [[]] * PEEK_EVERY
+        assert proposer.asked == []
         return
-    spec.propose([request])
-    assert request.spec_token_ids == long_draft  # the next peek: the whole draft, verified
+    assert steps_without_drafts(spec, request) < PEEK_EVERY  # the next peek's step
+    assert request.spec_token_ids == long_draft and spec.step_index % PEEK_EVERY == 0
     assert history.pause_steps == 0 and not history.is_trial_due
     step(request, LONG_DRAFT)  # it held: drafting by the plan again
     spec.propose([request])
