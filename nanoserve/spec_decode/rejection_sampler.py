@@ -82,13 +82,13 @@ class RejectionSampler:
         draft_rows = [row for row, token in enumerate(next_drafts) if token >= 0]
         rows = torch.tensor(draft_rows, dtype=torch.long, device=device)  # [R]
         tokens = torch.tensor([next_drafts[r] for r in draft_rows], dtype=torch.long, device=device)
-        accept_below = self.sampler.uniforms(batch, device)  # [N]
+        accept_below, recover_at = uniform_pairs(batch, device)  # [N] each
         random_accepted = torch.zeros(len(next_drafts), dtype=torch.bool, device=device)  # [N]
         random_accepted[rows] = accept_below[rows] < probs[rows, tokens]
         # max(p - q, 0) with q one-hot on the draft: p with the draft token removed (the
         # draws take weights: no need to normalise).
         probs[rows, tokens] = 0.0
-        recovered = self.sampler.ops.draw(probs, self.sampler.uniforms(batch, device))
+        recovered = self.sampler.ops.draw(probs, recover_at)
         if batch.is_greedy is None:  # no greedy row among random ones
             return random_accepted, recovered
         argmax = self.sampler.ops.argmax(processed)  # [N]
@@ -122,6 +122,25 @@ class RejectionSampler:
             if first in wanted:
                 result[request] = [next(entries) for _ in ids]
         return result
+
+
+def uniform_pairs(batch: SamplingBatch, device: torch.device) -> torch.Tensor:  # [2, N]
+    """Two U(0, 1) per row, float64: to accept its draft by, and to recover a token by. A seeded
+    request's rows (in a row) draw theirs from its generator in one call, all its acceptance
+    uniforms then all its recovery ones: the order of one draw per row and pass, in one call
+    instead of two per row (each a few µs)."""
+    uniforms = torch.rand(2, batch.num_reqs, dtype=torch.float64, device=device)
+    runs: list[tuple[int, int, torch.Generator]] = []  # first row, rows, generator
+    for row, generator in batch.seeded_rows:
+        if runs and runs[-1][2] is generator and runs[-1][0] + runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, generator)
+        else:
+            runs.append((row, 1, generator))
+    for first, count, generator in runs:
+        uniforms[:, first : first + count] = torch.rand(
+            2, count, dtype=torch.float64, device=device, generator=generator
+        )
+    return uniforms
 
 
 def _first_rows(draft_token_ids: list[list[int]]) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 from nanoserve.common.sampling_params import SamplingParams
 from nanoserve.core.sampler import Sampler
 from nanoserve.core.sampling_batch import SamplingBatch, seeded_generator
-from nanoserve.spec_decode.rejection_sampler import RejectionSampler
+from nanoserve.spec_decode.rejection_sampler import RejectionSampler, uniform_pairs
 
 VOCAB = 12
 DRAFTS = [3, 7, 1]
@@ -141,6 +141,23 @@ def test_seeded_requests_repeat_their_tokens():
         return RejectionSampler()(logits, batch, [DRAFTS] * 8)[0]
 
     assert run() == run()
+
+
+def test_a_seeded_requests_rows_draw_their_uniforms_in_one_call_as_row_by_row():
+    """Two requests with their own generators (4 rows each) beside an unseeded one: the
+    pairs are what two passes of one draw per row (the plain sampler's) give."""
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+
+    def batch():
+        generators = [seeded_generator(seed, torch.device("cpu")) for seed in (3, 4)]
+        return expanded_batch(params, 3, [generators[0], None, generators[1]])
+
+    first, second = batch(), batch()
+    torch.manual_seed(7)
+    pairs = uniform_pairs(first, torch.device("cpu"))  # [2, 12]
+    torch.manual_seed(7)
+    row_by_row = [Sampler.uniforms(second, torch.device("cpu")) for _ in range(2)]
+    assert len(first.seeded_rows) == 8 and torch.equal(pairs, torch.stack(row_by_row))
 
 
 def test_emitted_tokens_carry_their_raw_logprobs():
