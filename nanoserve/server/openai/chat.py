@@ -195,7 +195,9 @@ def _chunk_choice(
     """One choice's part of a stream chunk; None when it has nothing to show yet."""
     choice = update.choice
     logprobs = _logprobs(update.logprobs) if body.logprobs else None
-    delta: dict[str, Any] = {"content": update.text} if update.text else {}
+    # A token whose text is withheld (half a character, a possible stop string) still gets a
+    # chunk, its content empty, as vLLM's: clients time tokens by chunks.
+    delta: dict[str, Any] = {"content": update.text} if update.text or update.token_ids else {}
     if parser is not None:
         parsed = [parser.feed(update.text)]
         if choice.is_finished:

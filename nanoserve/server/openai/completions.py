@@ -253,8 +253,8 @@ def _chunk_choice(
             logprobs, update.token_ids, update.logprobs, offsets[choice.index], model.token_text
         )
     offsets[choice.index] += len(update.text)
-    if not text and logprobs is None and not choice.is_finished:
-        return None  # e.g. half of a multi-byte character
+    if not text and not update.token_ids and logprobs is None and not choice.is_finished:
+        return None  # nothing new (a token whose text is withheld still gets a chunk, as vLLM's)
     return CompletionChoice(
         index=choice.index,
         text=text,
