@@ -227,6 +227,7 @@ class QuietSpell:
     requests: list[Request]
     histories: list[DraftHistory]
     num_steps: int  # steps left to skip
+    last_s: float | None = None  # when the last skipped step began
 
     def holds_for(self, requests: list[Request]) -> bool:
         return (
@@ -302,9 +303,16 @@ class AdaptiveSpeculator(Speculator):
         spell = self.quiet
         assert spell is not None
         if spell.holds_for(requests):
+            # Its steps are plain steps of the same requests, timed from one skip to the next
+            # (not the step that began it: that one's `propose` was a full one).
             spell.num_steps -= 1
-            self._time_last_step(requests, now_s)  # the step that began it, timed as usual
+            if spell.last_s is not None:
+                self.costs.observe(len(requests), 0, now_s - spell.last_s)
+            spell.last_s = now_s
             self.in_flight = None
+            if spell.num_steps == 0:  # its last step, timed by the next `propose`
+                outputs = {r.request_id: r.num_output_tokens for r in requests}
+                self.in_flight = StepInFlight(now_s, outputs, 0, True)
             return True
         for history in spell.histories:
             history.pause_steps += spell.num_steps

@@ -2,7 +2,9 @@
 
 The speculator times every engine step whose requests were all decoding (from one `propose`
 to the next: the proposer, the forward pass, the sampler or the rejection sampler, and what the
-caller does with the tokens between steps). It tells `StepCosts` the step's shape and seconds:
+caller does with the tokens between steps; in a quiet spell, from one skipped `propose` to the
+next: plain steps as they run without speculation's bookkeeping, which a verify step's time
+includes). It tells `StepCosts` the step's shape and seconds:
 
     plain steps   (no drafts) by the number of decoding requests B
     verify steps  by the number of tokens they ran, T = B + D drafts

@@ -19,7 +19,7 @@ from nanoserve.spec_decode.speculator import (
     DraftHistory,
     plan_drafts,
 )
-from nanoserve.spec_decode.step_costs import MIN_SAMPLES, StepCosts
+from nanoserve.spec_decode.step_costs import MIN_SAMPLES, WINDOW, StepCosts
 
 
 class FixedProposer:
@@ -417,3 +417,31 @@ def test_quiet_spells_skip_steps_without_changing_a_single_draft():
     assert quiet == every and quiet_asked == asked and quiet_totals == totals
     assert sum(map(len, asked)) > 50  # drafts were asked for, and given
     assert num_every == 600 and num_quiet_full < 500  # (483 as written)
+
+
+def test_a_quiet_spells_steps_are_timed_as_plain_steps_without_the_full_proposes_cost():
+    """Steps take 1.0 on the clock, and a full `propose` 0.5 more: the plain steps timed in a
+    long pause are the skipped ones, at 1.0 (what a step costs without speculation's work)."""
+    clock = Clock()
+    spec = speculator(FixedProposer([7]), StepCosts(), clock=clock)
+    request = decoding("a", max_tokens=None)
+    original = spec._learn_from_last_step
+
+    def full_propose_costs(original=original):
+        clock.now_s += 0.5
+        original()
+
+    spec._learn_from_last_step = full_propose_costs  # type: ignore[method-assign]
+    for _ in range(MIN_SAMPLES + 1):  # plain steps to time, then a draft
+        spec.propose([request])
+        clock.now_s += 1.0
+        step(request, 0)
+    history = spec.histories["a"][1]
+    history.next_pause = 64
+    history.pause(spec.step_index)
+    for _ in range(40):
+        spec.propose([request])
+        clock.now_s += 1.0
+        step(request, 0)
+    timed = list(spec.costs.plain[1].seconds)
+    assert len(timed) == WINDOW and timed == [1.0] * WINDOW
