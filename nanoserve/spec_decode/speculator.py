@@ -29,11 +29,14 @@ When to draft (speculation must never make a workload meaningfully slower):
   longer), as peeks do (below): a batch's paused requests try and peek in the same steps,
   which share one verify step's cost, and the steps between are quiet.
 - A proposer whose drafts are as long as it is sure of them (suffix decoding: a draft as long
-  as its match and as its continuation stays likely) is asked about a paused request every
-  `PEEK_EVERY` steps (those whose number is a multiple of it): a draft of `LONG_DRAFT` tokens
-  or more (the request repeats a passage that it or an earlier request wrote, whose first
+  as its match and as its continuation stays likely) is asked about a paused request instead
+  of trying it blind: a draft of `LONG_DRAFT` tokens or more (or as many as the request has
+  room for: the request repeats a passage that it or an earlier request wrote, whose first
   draft holds ~9 times in 10 where a one-token draft holds ~1 in 4) ends the pause, and is
-  verified whole.
+  verified whole. It is asked every `PEEK_EVERY` steps at first (those whose number is a
+  multiple of it), every 8, 16, then `MAX_PEEK_EVERY` steps while its answers stay short (a
+  request that repeats nothing costs a lookup every 32 steps, not every 4); such a request
+  pauses `MAX_PAUSE_STEPS` before its trial.
 - Steps in which no request can draft (every one paused, none due a peek or a trial) cost a
   comparison: the speculator counts their pauses down ahead and returns at once while the
   same requests run (a `QuietSpell`; a small model's step is well under a millisecond, and the
@@ -73,6 +76,7 @@ MAX_EMPTY_WAIT_STEPS = 15  # the longest wait after the proposer found nothing t
 DEAR_LOOKUP = 0.01  # a proposer call costing this share of a plain step is worth sparing
 FRESH_CHANCE = 0.3  # the estimate a request's trial draft starts from after a pause
 PEEK_EVERY = 4  # a paused request's steps between asks, where drafts' lengths tell
+MAX_PEEK_EVERY = 32  # ... doubling up to this while the drafts it is offered stay short
 LONG_DRAFT = 6  # a draft this long, asked for during a pause, ends the pause
 LOG_INTERVAL_S = 10.0
 
@@ -112,7 +116,9 @@ class DraftHistory:
     pause_steps: int = 0  # steps left without drafts
     next_pause: int = FIRST_PAUSE_STEPS
     is_trial_due: bool = False  # after its pause: one draft, whatever it costs
-    is_peeking: bool = False  # paused by the plan (not waiting after empty lookups): may peek
+    is_peeking: bool = False  # paused by the plan, its proposer able to peek (not waiting
+    # after empty lookups)
+    peek_every: int = PEEK_EVERY  # while peeking: steps from one ask to the next
     empty_wait_steps: int = 0  # the wait after the proposer next finds nothing to draft
 
     @property
@@ -145,25 +151,31 @@ class DraftHistory:
                 self.reached[position] += 1.0
                 self.accepted[position] += 1.0 if position < num_accepted else 0.0
 
-    def pause(self, step_index: int) -> None:
+    def pause(self, step_index: int, can_peek: bool) -> None:
         """No drafts for a while (this step, number `step_index`, the first), then a trial from
         a fresh estimate, on a step whose number is a multiple of `PEEK_EVERY` (as peeks are:
-        a batch's requests try and peek in the same steps, and skip the ones between)."""
-        steps = self.next_pause - 1
+        a batch's requests try and peek in the same steps, and skip the ones between). One
+        that `can_peek` pauses `MAX_PAUSE_STEPS`: its peeks end the pause sooner."""
+        steps = (MAX_PAUSE_STEPS if can_peek else self.next_pause) - 1
         self.pause_steps = steps + -(step_index + steps + 1) % PEEK_EVERY
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
         self.accepted, self.reached = [FRESH_CHANCE], [1.0]
-        self.is_trial_due = self.is_peeking = True
+        self.is_trial_due, self.is_peeking, self.peek_every = True, can_peek, PEEK_EVERY
 
     def is_peek_due(self, step_index: int) -> bool:
         """Whether step number `step_index` of its pause is one to ask the proposer in."""
-        return self.is_peeking and step_index % PEEK_EVERY == 0
+        return self.is_peeking and step_index % self.peek_every == 0
 
-    def steps_without_news(self, can_peek: bool, step_index: int) -> int:
+    def peeked_in_vain(self) -> None:
+        """The proposer's draft was short: ask half as often (down to every `MAX_PEEK_EVERY`
+        steps; its asks still fall on steps that the more frequent ones share)."""
+        self.peek_every = min(2 * self.peek_every, MAX_PEEK_EVERY)
+
+    def steps_without_news(self, step_index: int) -> int:
         """The steps after step number `step_index` in which it surely neither drafts nor
         peeks."""
-        if can_peek and self.is_peeking:
-            return min(self.pause_steps, PEEK_EVERY - 1 - step_index % PEEK_EVERY)
+        if self.is_peeking:
+            return min(self.pause_steps, self.peek_every - 1 - step_index % self.peek_every)
         return self.pause_steps
 
     def end_pause(self) -> None:
@@ -290,8 +302,7 @@ class AdaptiveSpeculator(Speculator):
         if not requests or None in pairs:
             return  # (a request not yet seen by `_draft`: a plain step to time)
         histories = [pair[1] for pair in pairs if pair is not None]
-        can_peek = self.proposer.sizes_drafts_by_likelihood
-        num_steps = min(h.steps_without_news(can_peek, self.step_index) for h in histories)
+        num_steps = min(h.steps_without_news(self.step_index) for h in histories)
         if num_steps > 0:
             for history in histories:
                 history.pause_steps -= num_steps
@@ -345,7 +356,7 @@ class AdaptiveSpeculator(Speculator):
                 if not trial:
                     history.next_pause = FIRST_PAUSE_STEPS  # drafting pays for it again
             elif limit > 0:
-                history.pause(self.step_index)
+                history.pause(self.step_index, self.proposer.sizes_drafts_by_likelihood)
         return num_drafts + (self._give_drafts(chosen, counts) if chosen else 0)
 
     def _give_drafts(self, requests: list[Request], counts: list[int]) -> int:
@@ -363,7 +374,7 @@ class AdaptiveSpeculator(Speculator):
 
     def _peek(self, decoding: list[Request], limits: list[int]) -> int:
         """Ask about the paused requests due a peek (see above); a draft of `LONG_DRAFT`
-        tokens or more ends a pause. How many drafts were given."""
+        tokens or more (or all it has room for) ends a pause. How many drafts were given."""
         if not self.proposer.sizes_drafts_by_likelihood:
             return 0
         peeking, room = [], []
@@ -377,11 +388,14 @@ class AdaptiveSpeculator(Speculator):
         if not peeking:
             return 0
         num_drafts = 0
-        for request, drafts in zip(peeking, self.proposer.propose(peeking, room), strict=True):
-            if len(drafts) >= LONG_DRAFT:
+        proposed = self.proposer.propose(peeking, room)
+        for request, num_room, drafts in zip(peeking, room, proposed, strict=True):
+            if len(drafts) >= min(LONG_DRAFT, num_room):
                 history = self._hand_over(request, drafts)
                 history.end_pause()
                 num_drafts += history.num_drafted
+            else:
+                self.histories[request.request_id][1].peeked_in_vain()
         return num_drafts
 
     def _hand_over(self, request: Request, drafts: list[int]) -> DraftHistory:

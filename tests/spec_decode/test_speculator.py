@@ -14,6 +14,7 @@ from nanoserve.core.request import Request
 from nanoserve.spec_decode.speculator import (
     FIRST_PAUSE_STEPS,
     LONG_DRAFT,
+    MAX_PEEK_EVERY,
     PEEK_EVERY,
     AdaptiveSpeculator,
     DraftHistory,
@@ -333,23 +334,50 @@ def test_a_long_draft_ends_a_pause_where_a_drafts_length_says_how_sure_it_is(siz
     step(request, 2)
     history = spec.histories["a"][1]
     history.next_pause = 4 * PEEK_EVERY
-    history.pause(spec.step_index)  # 16 steps or more without drafts (this one the first)
+    history.pause(spec.step_index, sizes_by_likelihood)  # (this step the first)
     proposer.asked.clear()
-    # Short drafts (2 tokens) leave the pause as it is; asked only every PEEK_EVERY steps.
-    assert paused_steps(spec, request, 2 * PEEK_EVERY) == [[]] * (2 * PEEK_EVERY)
-    assert len(proposer.asked) == (2 if sizes_by_likelihood else 0)
-    long_draft = list(range(10, 10 + LONG_DRAFT))
-    proposer.draft = long_draft
-    if not sizes_by_likelihood:  # a draft model's or n-gram's length says nothing: paused on
-        assert paused_steps(spec, request, PEEK_EVERY) == [[]] * PEEK_EVERY
+    if not sizes_by_likelihood:  # a draft model's or n-gram's length says nothing: paused
+        # for its pause, not asked, then a trial
+        assert paused_steps(spec, request, 3 * PEEK_EVERY) == [[]] * (3 * PEEK_EVERY)
         assert proposer.asked == []
         return
-    assert steps_without_drafts(spec, request) < PEEK_EVERY  # the next peek's step
-    assert request.spec_token_ids == long_draft and spec.step_index % PEEK_EVERY == 0
+    # Short drafts (2 tokens) leave the pause as it is (no blind trial either); asked every
+    # PEEK_EVERY steps at first, then half as often after each, down to MAX_PEEK_EVERY.
+    asked_at = []
+    for _ in range(5 * MAX_PEEK_EVERY):
+        assert paused_steps(spec, request, 1) == [[]]
+        if proposer.asked:
+            asked_at.append(spec.step_index)
+            proposer.asked.clear()
+    intervals = [min(PEEK_EVERY * 2**i, MAX_PEEK_EVERY) for i in range(len(asked_at))]
+    assert asked_at[0] % PEEK_EVERY == 0 and asked_at[0] - spec.step_index < 5 * MAX_PEEK_EVERY
+    for before, at, interval in zip(asked_at, asked_at[1:], intervals[1:], strict=False):
+        assert at == before + interval - before % interval  # the next step of its interval
+    assert intervals[-1] == MAX_PEEK_EVERY and len(asked_at) >= 6
+    long_draft = list(range(10, 10 + LONG_DRAFT))
+    proposer.draft = long_draft
+    assert steps_without_drafts(spec, request) < MAX_PEEK_EVERY  # the next peek's step
+    assert request.spec_token_ids == long_draft and spec.step_index % MAX_PEEK_EVERY == 0
     assert history.pause_steps == 0 and not history.is_trial_due
     step(request, LONG_DRAFT)  # it held: drafting by the plan again
     spec.propose([request])
     assert len(request.spec_token_ids) > 0
+    history.pause(spec.step_index, True)  # a new pause asks every PEEK_EVERY steps again
+    step(request, 0)
+    assert steps_without_drafts(spec, request) < PEEK_EVERY
+
+
+def test_a_draft_filling_a_paused_requests_room_ends_its_pause():
+    """Near its max_tokens a request has room for fewer than LONG_DRAFT drafts: all of them
+    will do (or a proposer capped below LONG_DRAFT would never resume)."""
+    proposer = LikelihoodProposer([7, 8, 9])
+    spec = speculator(proposer, num_speculative_tokens=3)
+    request = decoding("a", max_tokens=None)
+    spec.propose([request])
+    step(request, 3)
+    spec.histories["a"][1].pause(spec.step_index, True)
+    assert steps_without_drafts(spec, request) < PEEK_EVERY
+    assert request.spec_token_ids == [7, 8, 9]
 
 
 class ScriptedProposer(LikelihoodProposer):
@@ -438,7 +466,7 @@ def test_a_quiet_spells_steps_are_timed_as_plain_steps_without_the_full_proposes
         step(request, 0)
     history = spec.histories["a"][1]
     history.next_pause = 64
-    history.pause(spec.step_index)
+    history.pause(spec.step_index, False)
     for _ in range(40):
         spec.propose([request])
         clock.now_s += 1.0
