@@ -34,9 +34,11 @@ When to draft (speculation must never make a workload meaningfully slower):
   room for: the request repeats a passage that it or an earlier request wrote, whose first
   draft holds ~9 times in 10 where a one-token draft holds ~1 in 4) ends the pause, and is
   verified whole. It is asked every `PEEK_EVERY` steps at first (those whose number is a
-  multiple of it), every 8, 16, then `MAX_PEEK_EVERY` steps while its answers stay short (a
-  request that repeats nothing costs a lookup every 32 steps, not every 4); such a request
-  pauses `MAX_PAUSE_STEPS` before its trial.
+  multiple of it), then half as often, down to every `MAX_PEEK_EVERY` steps, after each short
+  draft no longer than the one before (a request that repeats nothing costs a lookup every 32
+  steps, not every 4; one that has begun to repeat a passage is offered longer drafts each
+  time, its match growing, and keeps being asked often); such a request pauses
+  `MAX_PAUSE_STEPS` before its trial.
 - Steps in which no request can draft (every one paused, none due a peek or a trial) cost a
   comparison: the speculator counts their pauses down ahead and returns at once while the
   same requests run (a `QuietSpell`; a small model's step is well under a millisecond, and the
@@ -119,6 +121,7 @@ class DraftHistory:
     is_peeking: bool = False  # paused by the plan, its proposer able to peek (not waiting
     # after empty lookups)
     peek_every: int = PEEK_EVERY  # while peeking: steps from one ask to the next
+    last_peek_drafts: int = 0  # the length of the draft its last peek was offered
     empty_wait_steps: int = 0  # the wait after the proposer next finds nothing to draft
 
     @property
@@ -161,15 +164,20 @@ class DraftHistory:
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
         self.accepted, self.reached = [FRESH_CHANCE], [1.0]
         self.is_trial_due, self.is_peeking, self.peek_every = True, can_peek, PEEK_EVERY
+        self.last_peek_drafts = 0
 
     def is_peek_due(self, step_index: int) -> bool:
         """Whether step number `step_index` of its pause is one to ask the proposer in."""
         return self.is_peeking and step_index % self.peek_every == 0
 
-    def peeked_in_vain(self) -> None:
-        """The proposer's draft was short: ask half as often (down to every `MAX_PEEK_EVERY`
-        steps; its asks still fall on steps that the more frequent ones share)."""
-        self.peek_every = min(2 * self.peek_every, MAX_PEEK_EVERY)
+    def peeked_in_vain(self, num_drafts: int) -> None:
+        """The proposer's draft was short (`num_drafts` tokens): unless it grew since the last
+        peek (a match lengthening as the request repeats a passage), ask half as often, down
+        to every `MAX_PEEK_EVERY` steps (its asks still fall on steps that the more frequent
+        ones share)."""
+        grew, self.last_peek_drafts = num_drafts > self.last_peek_drafts, num_drafts
+        if not grew:
+            self.peek_every = min(2 * self.peek_every, MAX_PEEK_EVERY)
 
     def steps_without_news(self, step_index: int) -> int:
         """The steps after step number `step_index` in which it surely neither drafts nor
@@ -395,7 +403,7 @@ class AdaptiveSpeculator(Speculator):
                 history.end_pause()
                 num_drafts += history.num_drafted
             else:
-                self.histories[request.request_id][1].peeked_in_vain()
+                self.histories[request.request_id][1].peeked_in_vain(len(drafts))
         return num_drafts
 
     def _hand_over(self, request: Request, drafts: list[int]) -> DraftHistory:

@@ -342,14 +342,15 @@ def test_a_long_draft_ends_a_pause_where_a_drafts_length_says_how_sure_it_is(siz
         assert proposer.asked == []
         return
     # Short drafts (2 tokens) leave the pause as it is (no blind trial either); asked every
-    # PEEK_EVERY steps at first, then half as often after each, down to MAX_PEEK_EVERY.
+    # PEEK_EVERY steps at first, then half as often after each draft no longer than the one
+    # before (the first, 2 tokens after none, grew), down to MAX_PEEK_EVERY.
     asked_at = []
     for _ in range(5 * MAX_PEEK_EVERY):
         assert paused_steps(spec, request, 1) == [[]]
         if proposer.asked:
             asked_at.append(spec.step_index)
             proposer.asked.clear()
-    intervals = [min(PEEK_EVERY * 2**i, MAX_PEEK_EVERY) for i in range(len(asked_at))]
+    intervals = [min(PEEK_EVERY * 2 ** max(0, i - 1), MAX_PEEK_EVERY) for i in range(len(asked_at))]
     assert asked_at[0] % PEEK_EVERY == 0 and asked_at[0] - spec.step_index < 5 * MAX_PEEK_EVERY
     for before, at, interval in zip(asked_at, asked_at[1:], intervals[1:], strict=False):
         assert at == before + interval - before % interval  # the next step of its interval
@@ -365,6 +366,36 @@ def test_a_long_draft_ends_a_pause_where_a_drafts_length_says_how_sure_it_is(siz
     history.pause(spec.step_index, True)  # a new pause asks every PEEK_EVERY steps again
     step(request, 0)
     assert steps_without_drafts(spec, request) < PEEK_EVERY
+
+
+class GrowingProposer(LikelihoodProposer):
+    """Offers one token more at each ask (a match lengthening as a passage is repeated)."""
+
+    def propose(self, requests, num_tokens):
+        self.draft = [*self.draft, 7]
+        return super().propose(requests, num_tokens)
+
+
+def test_a_paused_request_offered_longer_drafts_each_time_is_asked_as_often():
+    proposer = GrowingProposer([])
+    spec = speculator(proposer, num_speculative_tokens=2 * LONG_DRAFT)
+    request = decoding("a", max_tokens=None)
+    spec.propose([request])
+    step(request, 0)
+    spec.histories["a"][1].pause(spec.step_index, True)
+    proposer.asked.clear()
+    proposer.draft = []
+    asked_at = []
+    while not request.spec_token_ids:
+        spec.propose([request])
+        if proposer.asked:
+            asked_at.append(spec.step_index)
+            proposer.asked.clear()
+        if not request.spec_token_ids:
+            step(request, 0)
+    # Drafts of 1, 2, ... 5 tokens, every PEEK_EVERY steps; the sixth ends the pause.
+    assert len(asked_at) == LONG_DRAFT and len(request.spec_token_ids) == LONG_DRAFT
+    assert all(b - a == PEEK_EVERY for a, b in zip(asked_at, asked_at[1:], strict=False))
 
 
 def test_a_draft_filling_a_paused_requests_room_ends_its_pause():
