@@ -29,16 +29,17 @@ When to draft (speculation must never make a workload meaningfully slower):
   longer), as peeks do (below): a batch's paused requests try and peek in the same steps,
   which share one verify step's cost, and the steps between are quiet.
 - A proposer whose drafts are as long as it is sure of them (suffix decoding: a draft as long
-  as its match and as its continuation stays likely) is asked about a paused request instead
-  of trying it blind: a draft of `LONG_DRAFT` tokens or more (or as many as the request has
-  room for: the request repeats a passage that it or an earlier request wrote, whose first
-  draft holds ~9 times in 10 where a one-token draft holds ~1 in 4) ends the pause, and is
-  verified whole. It is asked every `PEEK_EVERY` steps at first (those whose number is a
-  multiple of it), then half as often, down to every `MAX_PEEK_EVERY` steps, after each short
-  draft no longer than the one before (a request that repeats nothing costs a lookup every 32
-  steps, not every 4; one that has begun to repeat a passage is offered longer drafts each
-  time, its match growing, and keeps being asked often); such a request pauses
-  `MAX_PAUSE_STEPS` before its trial.
+  as its match and as its continuation stays likely) is asked about a paused request: a draft
+  of `LONG_DRAFT` tokens or more (or as many as the request has room for: the request repeats
+  a passage that it or an earlier request wrote, whose first draft holds ~9 times in 10 where
+  a one-token draft holds ~1 in 4) ends the pause, and is verified whole. It is asked every
+  `PEEK_EVERY` steps at first (those whose number is a multiple of it), then half as often,
+  down to every `MAX_PEEK_EVERY` steps, after each short draft no longer than the one before
+  (a request that repeats nothing costs a lookup every 32 steps, not every 4; one that has
+  begun to repeat a passage is offered longer drafts each time, its match growing, and keeps
+  being asked often). Beside other decoding requests such a request pauses `MAX_PAUSE_STEPS`
+  before its trial (a trial makes their step a verify step too); alone it tries after its
+  pause as any other.
 - Steps in which no request can draft (every one paused, none due a peek or a trial) cost a
   comparison: the speculator counts their pauses down ahead and returns at once while the
   same requests run (a `QuietSpell`; a small model's step is well under a millisecond, and the
@@ -154,12 +155,14 @@ class DraftHistory:
                 self.reached[position] += 1.0
                 self.accepted[position] += 1.0 if position < num_accepted else 0.0
 
-    def pause(self, step_index: int, can_peek: bool) -> None:
+    def pause(self, step_index: int, can_peek: bool, is_alone: bool) -> None:
         """No drafts for a while (this step, number `step_index`, the first), then a trial from
         a fresh estimate, on a step whose number is a multiple of `PEEK_EVERY` (as peeks are:
         a batch's requests try and peek in the same steps, and skip the ones between). One
-        that `can_peek` pauses `MAX_PAUSE_STEPS`: its peeks end the pause sooner."""
-        steps = (MAX_PAUSE_STEPS if can_peek else self.next_pause) - 1
+        that `can_peek` beside other requests (not `is_alone`) pauses `MAX_PAUSE_STEPS`: its
+        trial would make all their step a verify step, and its peeks end the pause sooner."""
+        is_long = can_peek and not is_alone
+        steps = (MAX_PAUSE_STEPS if is_long else self.next_pause) - 1
         self.pause_steps = steps + -(step_index + steps + 1) % PEEK_EVERY
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
         self.accepted, self.reached = [FRESH_CHANCE], [1.0]
@@ -364,7 +367,8 @@ class AdaptiveSpeculator(Speculator):
                 if not trial:
                     history.next_pause = FIRST_PAUSE_STEPS  # drafting pays for it again
             elif limit > 0:
-                history.pause(self.step_index, self.proposer.sizes_drafts_by_likelihood)
+                can_peek = self.proposer.sizes_drafts_by_likelihood
+                history.pause(self.step_index, can_peek, len(decoding) == 1)
         return num_drafts + (self._give_drafts(chosen, counts) if chosen else 0)
 
     def _give_drafts(self, requests: list[Request], counts: list[int]) -> int:

@@ -14,6 +14,7 @@ from nanoserve.core.request import Request
 from nanoserve.spec_decode.speculator import (
     FIRST_PAUSE_STEPS,
     LONG_DRAFT,
+    MAX_PAUSE_STEPS,
     MAX_PEEK_EVERY,
     PEEK_EVERY,
     AdaptiveSpeculator,
@@ -334,7 +335,7 @@ def test_a_long_draft_ends_a_pause_where_a_drafts_length_says_how_sure_it_is(siz
     step(request, 2)
     history = spec.histories["a"][1]
     history.next_pause = 4 * PEEK_EVERY
-    history.pause(spec.step_index, sizes_by_likelihood)  # (this step the first)
+    history.pause(spec.step_index, sizes_by_likelihood, False)  # (this step the first)
     proposer.asked.clear()
     if not sizes_by_likelihood:  # a draft model's or n-gram's length says nothing: paused
         # for its pause, not asked, then a trial
@@ -363,7 +364,7 @@ def test_a_long_draft_ends_a_pause_where_a_drafts_length_says_how_sure_it_is(siz
     step(request, LONG_DRAFT)  # it held: drafting by the plan again
     spec.propose([request])
     assert len(request.spec_token_ids) > 0
-    history.pause(spec.step_index, True)  # a new pause asks every PEEK_EVERY steps again
+    history.pause(spec.step_index, True, False)  # a new pause asks every PEEK_EVERY steps again
     step(request, 0)
     assert steps_without_drafts(spec, request) < PEEK_EVERY
 
@@ -382,7 +383,7 @@ def test_a_paused_request_offered_longer_drafts_each_time_is_asked_as_often():
     request = decoding("a", max_tokens=None)
     spec.propose([request])
     step(request, 0)
-    spec.histories["a"][1].pause(spec.step_index, True)
+    spec.histories["a"][1].pause(spec.step_index, True, False)
     proposer.asked.clear()
     proposer.draft = []
     asked_at = []
@@ -398,6 +399,25 @@ def test_a_paused_request_offered_longer_drafts_each_time_is_asked_as_often():
     assert all(b - a == PEEK_EVERY for a, b in zip(asked_at, asked_at[1:], strict=False))
 
 
+@pytest.mark.parametrize("num_requests", [1, 2])
+def test_a_request_that_can_peek_tries_blind_only_when_alone(num_requests):
+    """A trial beside other requests makes their step a verify step too: there a request whose
+    proposer can peek waits for its peeks (or MAX_PAUSE_STEPS); alone it tries after its pause."""
+    spec = speculator(LikelihoodProposer([7, 8]), num_speculative_tokens=2 * LONG_DRAFT)
+    requests = [decoding(str(i), max_tokens=None) for i in range(num_requests)]
+    histories = []
+    for _ in range(20):  # every draft rejected until the plan pauses them
+        spec.propose(requests)
+        histories = [spec.histories[r.request_id][1] for r in requests]
+        for request in requests:
+            step(request, 0)
+        if all(h.pause_steps > 0 for h in histories):
+            break
+    longest = MAX_PAUSE_STEPS if num_requests > 1 else 2 * FIRST_PAUSE_STEPS
+    assert all(longest - 1 <= h.pause_steps + 2 * PEEK_EVERY for h in histories)
+    assert all(h.pause_steps < longest + PEEK_EVERY for h in histories)
+
+
 def test_a_draft_filling_a_paused_requests_room_ends_its_pause():
     """Near its max_tokens a request has room for fewer than LONG_DRAFT drafts: all of them
     will do (or a proposer capped below LONG_DRAFT would never resume)."""
@@ -406,7 +426,7 @@ def test_a_draft_filling_a_paused_requests_room_ends_its_pause():
     request = decoding("a", max_tokens=None)
     spec.propose([request])
     step(request, 3)
-    spec.histories["a"][1].pause(spec.step_index, True)
+    spec.histories["a"][1].pause(spec.step_index, True, False)
     assert steps_without_drafts(spec, request) < PEEK_EVERY
     assert request.spec_token_ids == [7, 8, 9]
 
@@ -497,7 +517,7 @@ def test_a_quiet_spells_steps_are_timed_as_plain_steps_without_the_full_proposes
         step(request, 0)
     history = spec.histories["a"][1]
     history.next_pause = 64
-    history.pause(spec.step_index, False)
+    history.pause(spec.step_index, False, True)
     for _ in range(40):
         spec.propose([request])
         clock.now_s += 1.0
