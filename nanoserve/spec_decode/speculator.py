@@ -79,7 +79,7 @@ MAX_EMPTY_WAIT_STEPS = 15  # the longest wait after the proposer found nothing t
 DEAR_LOOKUP = 0.01  # a proposer call costing this share of a plain step is worth sparing
 FRESH_CHANCE = 0.3  # the estimate a request's trial draft starts from after a pause
 PEEK_EVERY = 4  # a paused request's steps between asks, where drafts' lengths tell
-MAX_PEEK_EVERY = 32  # ... doubling up to this while the drafts it is offered stay short
+MAX_PEEK_EVERY = 32  # ... doubling up to this while its drafts stay short and do not grow
 LONG_DRAFT = 6  # a draft this long, asked for during a pause, ends the pause
 LOG_INTERVAL_S = 10.0
 
@@ -160,9 +160,10 @@ class DraftHistory:
         a fresh estimate, on a step whose number is a multiple of `PEEK_EVERY` (as peeks are:
         a batch's requests try and peek in the same steps, and skip the ones between). One
         that `can_peek` beside other requests (not `is_alone`) pauses `MAX_PAUSE_STEPS`: its
-        trial would make all their step a verify step, and its peeks end the pause sooner."""
-        is_long = can_peek and not is_alone
-        steps = (MAX_PAUSE_STEPS if is_long else self.next_pause) - 1
+        trial would turn their shared step into a verify step, and its peeks end the pause
+        sooner."""
+        waits_for_peeks = can_peek and not is_alone
+        steps = (MAX_PAUSE_STEPS if waits_for_peeks else self.next_pause) - 1
         self.pause_steps = steps + -(step_index + steps + 1) % PEEK_EVERY
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
         self.accepted, self.reached = [FRESH_CHANCE], [1.0]

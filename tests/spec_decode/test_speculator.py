@@ -419,8 +419,8 @@ def test_a_request_that_can_peek_tries_blind_only_when_alone(num_requests):
 
 
 def test_a_draft_filling_a_paused_requests_room_ends_its_pause():
-    """Near its max_tokens a request has room for fewer than LONG_DRAFT drafts: all of them
-    will do (or a proposer capped below LONG_DRAFT would never resume)."""
+    """A request with room for fewer than LONG_DRAFT drafts (`num_speculative_tokens` below
+    it, or near its max_tokens): a draft of all of them will do (else it would never resume)."""
     proposer = LikelihoodProposer([7, 8, 9])
     spec = speculator(proposer, num_speculative_tokens=3)
     request = decoding("a", max_tokens=None)
