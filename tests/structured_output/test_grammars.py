@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from tiny_checkpoints import make_tiny_checkpoint
 
 from nanoserve.common.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.structured_output.grammars import closed_objects
 from nanoserve.structured_output.manager import StructuredOutputManager
 
 
@@ -91,3 +93,54 @@ def test_a_constraint_cannot_name_a_file_or_a_url(
 ) -> None:
     with pytest.raises(ValueError, match="invalid structured output"):
         check_constraint(manager, constraint)
+
+
+OBJECT_A = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("schema", "valid_prefix"),
+    [
+        (OBJECT_A, b'{"a": 1'),  # another key is refused, as vLLM's default engine does
+        (json.dumps(OBJECT_A), b'{"a": 1'),  # the schema as text
+        (OBJECT_A | {"additionalProperties": True}, b'{"a": 1, "b": 2}'),  # said: kept
+        ({"type": "object"}, b'{"a": 1, "b": 2}'),  # names no properties: any object
+    ],
+    ids=["closed", "closed-text", "open-by-request", "any-object"],
+)
+def test_an_object_schema_allows_only_its_properties_unless_it_says_so(
+    manager, schema, valid_prefix: bytes
+) -> None:
+    grammar = check_constraint(manager, StructuredOutputsParams(json=schema))
+    assert grammar.count_valid(list(b'{"a": 1, "b": 2}')) == len(valid_prefix)
+
+
+def test_closed_objects_closes_every_object_schema_and_leaves_data_alone() -> None:
+    inner = {"type": "object", "properties": {"x": {"type": "string"}}}
+    constant = {"properties": {"y": 1}}  # a value, not a schema
+    schema = {
+        "type": "object",
+        "properties": {"inner": inner, "fixed": {"const": constant, "enum": [constant]}},
+        "$defs": {"Item": inner},
+        "items": [inner],  # `items` as a list (older drafts)
+        "anyOf": [inner],
+        "allOf": [inner],
+        "not": inner,
+    }
+    closed = closed_objects(schema)
+    shut = inner | {"additionalProperties": False}
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["inner"] == shut
+    assert closed["$defs"]["Item"] == shut and closed["items"] == [shut]
+    assert closed["anyOf"] == [shut] and closed["not"] == shut
+    assert closed["allOf"] == [inner]  # parts of an allOf stay open: closed, they could clash
+    assert closed["properties"]["fixed"] == {"const": constant, "enum": [constant]}
+    assert "additionalProperties" not in inner and "additionalProperties" not in schema  # a copy
+
+
+def test_closed_objects_keeps_what_a_schema_says_of_other_properties() -> None:
+    for rule in ({"additionalProperties": {"type": "integer"}}, {"unevaluatedProperties": True}):
+        schema = OBJECT_A | rule
+        assert closed_objects(schema) == schema
+    nested = {"allOf": [{"properties": {"p": OBJECT_A}}]}  # inside an open part: closed
+    assert closed_objects(nested)["allOf"][0]["properties"]["p"]["additionalProperties"] is False
