@@ -25,7 +25,7 @@ DRAFT_GPU_SHARE = 0.08
 class DraftModelProposer:
     """Drafts with a smaller model run by its own engine."""
 
-    sizes_drafts_by_likelihood = False  # it drafts as many as asked
+    can_peek = False  # it drafts as many as asked, sure or not
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -52,6 +52,9 @@ class DraftModelProposer:
                 f"target's ({vocab_size}); a draft model must share the target's tokenizer"
             )
         return cls(engine)
+
+    def peek(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        raise NotImplementedError("a draft model cannot tell which of its drafts are sure")
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
         """Up to `num_tokens[i]` greedy draft tokens for each request, all in one batch."""

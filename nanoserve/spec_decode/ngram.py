@@ -44,7 +44,7 @@ class TokenArray:
 class NgramProposer:
     """Prompt lookup over each request's own tokens (vLLM's `ngram` method)."""
 
-    sizes_drafts_by_likelihood = False  # a match's draft runs to the limit
+    can_peek = True  # a match of the longest n-gram tried is one to be sure of
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
@@ -52,17 +52,28 @@ class NgramProposer:
         self.arrays: dict[str, TokenArray] = {}  # per running request
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        return self._drafts(requests, num_tokens, self.min_n)
+
+    def peek(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        """Drafts after matches of `max_n` tokens only: a request that repeats a passage
+        matches its last max_n tokens; one that repeats nothing seldom does (short n-grams
+        recur in any text)."""
+        return self._drafts(requests, num_tokens, self.max_n)
+
+    def _drafts(self, requests: list[Request], num_tokens: list[int], min_n: int):
         drafts = []
         for request, count in zip(requests, num_tokens, strict=True):
             array = self.arrays.get(request.request_id)
             if array is None:
                 array = self.arrays[request.request_id] = TokenArray()
-            drafts.append(self.draft(array.sync(request.all_token_ids), count))
+            drafts.append(self.draft(array.sync(request.all_token_ids), count, min_n))
         return drafts
 
-    def draft(self, tokens: np.ndarray, num_tokens: int) -> list[int]:
-        """Up to `num_tokens` tokens that followed the longest recent match of the suffix."""
-        start, n = longest_earlier_match(tokens, self.min_n, self.max_n, num_tokens)
+    def draft(self, tokens: np.ndarray, num_tokens: int, min_n: int | None = None) -> list[int]:
+        """Up to `num_tokens` tokens that followed the longest recent match of the suffix (of
+        at least `min_n` tokens, default the proposer's)."""
+        min_n = self.min_n if min_n is None else min_n
+        start, n = longest_earlier_match(tokens, min_n, self.max_n, num_tokens)
         if start < 0:
             return []
         return tokens[start + n : start + n + num_tokens].tolist()

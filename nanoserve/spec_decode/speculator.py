@@ -28,9 +28,10 @@ When to draft (speculation must never make a workload meaningfully slower):
   Trials fall on steps whose number is a multiple of `PEEK_EVERY` (a pause runs up to 3 steps
   longer), as peeks do (below): a batch's paused requests try and peek in the same steps,
   which share one verify step's cost, and the steps between are quiet.
-- A proposer whose drafts are as long as it is sure of them (suffix decoding: a draft as long
-  as its match and as its continuation stays likely) is asked about a paused request: a draft
-  of `LONG_DRAFT` tokens or more (or as many as the request has room for: the request repeats
+- A proposer that can tell a draft it is sure of (`can_peek`: suffix decoding, whose drafts are
+  as long as their match and as their continuation stays likely; n-gram, whose `peek` drafts
+  only after a match of the longest n-gram it tries, where short ones recur in any text) is
+  asked about a paused request (`peek`): a draft of `LONG_DRAFT` tokens or more (or as many as the request has room for: the request repeats
   a passage that it or an earlier request wrote, whose first draft holds ~9 times in 10 where
   a one-token draft holds ~1 in 4) ends the pause, and is verified whole. It is asked every
   `PEEK_EVERY` steps at first (those whose number is a multiple of it), then half as often,
@@ -87,12 +88,16 @@ LOG_INTERVAL_S = 10.0
 class Proposer(Protocol):
     """Drafts tokens for a batch of requests."""
 
-    # Whether a longer draft is a surer one (its length: what the proposer expects to hold,
-    # not the limit it was given): then a long draft ends a pause (see above).
-    sizes_drafts_by_likelihood: bool
+    # Whether `peek` can tell a draft it is sure of: then a long one ends a pause (see above).
+    can_peek: bool
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
         """At most `num_tokens[i]` draft tokens for `requests[i]` (maybe none)."""
+        ...
+
+    def peek(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        """As `propose`, but only drafts it is sure of, as long as it is sure (paused requests
+        are asked: a long draft ends a pause). Only where `can_peek`."""
         ...
 
     def finish(self, request: Request) -> None:
@@ -368,8 +373,7 @@ class AdaptiveSpeculator(Speculator):
                 if not trial:
                     history.next_pause = FIRST_PAUSE_STEPS  # drafting pays for it again
             elif limit > 0:
-                can_peek = self.proposer.sizes_drafts_by_likelihood
-                history.pause(self.step_index, can_peek, len(decoding) == 1)
+                history.pause(self.step_index, self.proposer.can_peek, len(decoding) == 1)
         return num_drafts + (self._give_drafts(chosen, counts) if chosen else 0)
 
     def _give_drafts(self, requests: list[Request], counts: list[int]) -> int:
@@ -388,7 +392,7 @@ class AdaptiveSpeculator(Speculator):
     def _peek(self, decoding: list[Request], limits: list[int]) -> int:
         """Ask about the paused requests due a peek (see above); a draft of `LONG_DRAFT`
         tokens or more (or all it has room for) ends a pause. How many drafts were given."""
-        if not self.proposer.sizes_drafts_by_likelihood:
+        if not self.proposer.can_peek:
             return 0
         peeking, room = [], []
         for request, limit in zip(decoding, limits, strict=True):
@@ -401,7 +405,7 @@ class AdaptiveSpeculator(Speculator):
         if not peeking:
             return 0
         num_drafts = 0
-        proposed = self.proposer.propose(peeking, room)
+        proposed = self.proposer.peek(peeking, room)
         for request, num_room, drafts in zip(peeking, room, proposed, strict=True):
             if len(drafts) >= min(LONG_DRAFT, num_room):
                 history = self._hand_over(request, drafts)

@@ -256,7 +256,7 @@ class SuffixProposer:
     draft for) `finish` also counts an eighth of what is pending, so it stays bounded.
     """
 
-    sizes_drafts_by_likelihood = True  # a draft stops where its match's limit or likelihood does
+    can_peek = True  # a draft stops where its match's limit or likelihood does: its own peek
 
     def __init__(
         self,
@@ -283,6 +283,10 @@ class SuffixProposer:
             self.propose_one(r.request_id, r.all_token_ids, n)
             for r, n in zip(requests, num_tokens, strict=True)
         ]
+
+    def peek(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        """Its drafts: each as long as its match and its continuation's likelihood allow."""
+        return self.propose(requests, num_tokens)
 
     def propose_one(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[int]:
         """The best draft of at most `num_tokens` from the request's own trie or the global one."""

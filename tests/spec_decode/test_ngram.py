@@ -43,6 +43,17 @@ def test_the_draft_is_cut_at_the_known_tokens_and_the_limit():
     assert drafted(NgramProposer(1, 2), [7], 3) == []
 
 
+def test_a_peek_drafts_only_after_a_match_of_the_longest_n_tried():
+    # The last 2 tokens (5 6) occurred before, the last 3 (4 5 6) did not: a draft, no peek.
+    tokens = [5, 6, 7, 8, 9, 4, 5, 6]
+    proposer = NgramProposer(2, 3)
+    request = Request("r", tokens, SamplingParams(max_tokens=20))
+    assert proposer.propose([request], [2]) == [[7, 8]]
+    assert proposer.peek([request], [2]) == [[]]
+    request.append_output_token(7)  # now "5 6 7" repeats a passage: a peek drafts
+    assert proposer.peek([request], [2]) == [[8, 9]]
+
+
 def test_a_repeating_run_drafts_a_whole_draft():
     tokens = [3, 9, 9, 9, 9, 9, 9]
     assert drafted(NgramProposer(2, 2), tokens, 3) == [9, 9, 9]

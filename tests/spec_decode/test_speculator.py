@@ -27,7 +27,7 @@ from nanoserve.spec_decode.step_costs import MIN_SAMPLES, WINDOW, StepCosts
 class FixedProposer:
     """Drafts `draft` (cut to the limit) for every request it is asked about."""
 
-    sizes_drafts_by_likelihood = False
+    can_peek = False
 
     def __init__(self, draft: list[int]) -> None:
         self.draft = draft
@@ -311,9 +311,13 @@ def test_drafts_that_hold_together_are_estimated_by_position():
 
 
 class LikelihoodProposer(FixedProposer):
-    """A FixedProposer whose drafts' lengths say how sure it is (as suffix decoding's)."""
+    """A FixedProposer whose drafts' lengths say how sure it is (as suffix decoding's): its
+    peeks are its drafts."""
 
-    sizes_drafts_by_likelihood = True
+    can_peek = True
+
+    def peek(self, requests, num_tokens):
+        return self.propose(requests, num_tokens)
 
 
 def paused_steps(spec: AdaptiveSpeculator, request: Request, num_steps: int) -> list[list[int]]:
@@ -326,18 +330,18 @@ def paused_steps(spec: AdaptiveSpeculator, request: Request, num_steps: int) -> 
     return given
 
 
-@pytest.mark.parametrize("sizes_by_likelihood", [True, False])
-def test_a_long_draft_ends_a_pause_where_a_drafts_length_says_how_sure_it_is(sizes_by_likelihood):
-    proposer = (LikelihoodProposer if sizes_by_likelihood else FixedProposer)([7, 8])
+@pytest.mark.parametrize("can_peek", [True, False])
+def test_a_long_draft_ends_a_pause_where_the_proposer_can_peek(can_peek):
+    proposer = (LikelihoodProposer if can_peek else FixedProposer)([7, 8])
     spec = speculator(proposer, num_speculative_tokens=2 * LONG_DRAFT)
     request = decoding("a", max_tokens=None)
     spec.propose([request])
     step(request, 2)
     history = spec.histories["a"][1]
     history.next_pause = 4 * PEEK_EVERY
-    history.pause(spec.step_index, sizes_by_likelihood, False)  # (this step the first)
+    history.pause(spec.step_index, can_peek, False)  # (this step the first)
     proposer.asked.clear()
-    if not sizes_by_likelihood:  # a draft model's or n-gram's length says nothing: paused
+    if not can_peek:  # a draft model cannot tell a sure draft from a guess: paused
         # for its pause, not asked, then a trial
         assert paused_steps(spec, request, 3 * PEEK_EVERY) == [[]] * (3 * PEEK_EVERY)
         assert proposer.asked == []
