@@ -36,10 +36,10 @@ ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 # `items` in older drafts, a list).
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-SUBSCHEMAS = (
-    "items", "additionalItems", "additionalProperties", "unevaluatedProperties",
-    "unevaluatedItems", "contains", "propertyNames", "not", "if", "then", "else",
-)  # fmt: skip
+ITEM_SCHEMAS = ("items", "additionalItems", "unevaluatedItems", "contains", "propertyNames")
+OTHER_PROPERTIES = ("additionalProperties", "unevaluatedProperties")  # what others may be
+CONDITIONS = ("not", "if", "then", "else")
+SUBSCHEMAS = ITEM_SCHEMAS + OTHER_PROPERTIES + CONDITIONS
 
 
 def grammar_for(constraint: StructuredOutputsParams) -> str:
@@ -88,7 +88,7 @@ def closed_objects(schema: Any, may_close: bool = True) -> Any:
             is_list = isinstance(part, list)  # `items` as a list, in older drafts
             closed[key] = [closed_objects(p) for p in part] if is_list else closed_objects(part)
     names_properties = "properties" in closed or "patternProperties" in closed
-    says_of_others = "additionalProperties" in closed or "unevaluatedProperties" in closed
+    says_of_others = any(key in closed for key in OTHER_PROPERTIES)
     if may_close and names_properties and not says_of_others:
         closed["additionalProperties"] = False
     return closed
