@@ -36,10 +36,10 @@ ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 # `items` in older drafts, a list).
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-ITEM_SCHEMAS = ("items", "additionalItems", "unevaluatedItems", "contains", "propertyNames")
+ITEM_SCHEMAS = ("items", "additionalItems", "unevaluatedItems", "contains")
 OTHER_PROPERTIES = ("additionalProperties", "unevaluatedProperties")  # what others may be
-CONDITIONS = ("not", "if", "then", "else")
-SUBSCHEMAS = ITEM_SCHEMAS + OTHER_PROPERTIES + CONDITIONS
+KEY_AND_CONDITION_SCHEMAS = ("propertyNames", "not", "if", "then", "else")
+SUBSCHEMAS = ITEM_SCHEMAS + OTHER_PROPERTIES + KEY_AND_CONDITION_SCHEMAS
 
 
 def grammar_for(constraint: StructuredOutputsParams) -> str:
