@@ -31,9 +31,10 @@ When to draft (speculation must never make a workload meaningfully slower):
 - A proposer that can tell a draft it is sure of (`can_peek`: suffix decoding, whose drafts are
   as long as their match and as their continuation stays likely; n-gram, whose `peek` drafts
   only after a match of the longest n-gram it tries, where short ones recur in any text) is
-  asked about a paused request (`peek`): a draft of `LONG_DRAFT` tokens or more (or as many as the request has room for: the request repeats
-  a passage that it or an earlier request wrote, whose first draft holds ~9 times in 10 where
-  a one-token draft holds ~1 in 4) ends the pause, and is verified whole. It is asked every
+  asked about a paused request (`peek`): a draft of `LONG_DRAFT` tokens or more (or as many
+  as the request has room for: the request repeats a passage that it or an earlier request
+  wrote, whose first draft holds ~9 times in 10 where a one-token draft holds ~1 in 4) ends
+  the pause, and is verified whole. It is asked every
   `PEEK_EVERY` steps at first (those whose number is a multiple of it), then half as often,
   down to every `MAX_PEEK_EVERY` steps, after each short draft no longer than the one before
   (a request that repeats nothing costs a lookup every 32 steps, not every 4; one that has
