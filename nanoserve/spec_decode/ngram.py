@@ -60,7 +60,10 @@ class NgramProposer:
         recur in any text)."""
         return self._drafts(requests, num_tokens, self.max_n)
 
-    def _drafts(self, requests: list[Request], num_tokens: list[int], min_n: int):
+    def _drafts(
+        self, requests: list[Request], num_tokens: list[int], min_n: int
+    ) -> list[list[int]]:
+        """Each request's draft after its longest match of `min_n` tokens or more."""
         drafts = []
         for request, count in zip(requests, num_tokens, strict=True):
             array = self.arrays.get(request.request_id)

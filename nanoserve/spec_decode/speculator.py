@@ -34,14 +34,13 @@ When to draft (speculation must never make a workload meaningfully slower):
   asked about a paused request (`peek`): a draft of `LONG_DRAFT` tokens or more (or as many
   as the request has room for: the request repeats a passage that it or an earlier request
   wrote, whose first draft holds ~9 times in 10 where a one-token draft holds ~1 in 4) ends
-  the pause, and is verified whole. It is asked every
-  `PEEK_EVERY` steps at first (those whose number is a multiple of it), then half as often,
-  down to every `MAX_PEEK_EVERY` steps, after each short draft no longer than the one before
-  (a request that repeats nothing costs a lookup every 32 steps, not every 4; one that has
-  begun to repeat a passage is offered longer drafts each time, its match growing, and keeps
-  being asked often). Beside other decoding requests such a request pauses `MAX_PAUSE_STEPS`
-  before its trial (a trial makes their step a verify step too); alone it tries after its
-  pause as any other.
+  the pause, and is verified whole. It is asked every `PEEK_EVERY` steps at first (those whose
+  number is a multiple of it), then half as often, down to every `MAX_PEEK_EVERY` steps, after
+  each short draft no longer than the one before (a request that repeats nothing costs a
+  lookup every 32 steps, not every 4; one that has begun to repeat a passage is offered longer
+  drafts each time, its match growing, and keeps being asked often). Beside other decoding
+  requests such a request pauses `MAX_PAUSE_STEPS` before its trial (a trial makes their step
+  a verify step too); alone it tries after its pause as any other.
 - Steps in which no request can draft (every one paused, none due a peek or a trial) cost a
   comparison: the speculator counts their pauses down ahead and returns at once while the
   same requests run (a `QuietSpell`; a small model's step is well under a millisecond, and the
