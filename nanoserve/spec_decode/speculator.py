@@ -127,6 +127,7 @@ class DraftHistory:
     is_peeking: bool = False  # paused by the plan, its proposer able to peek (not waiting
     # after empty lookups)
     peek_every: int = PEEK_EVERY  # while peeking: steps from one ask to the next
+    first_peek_every: int = PEEK_EVERY  # ... at the start of its next pause
     last_peek_drafts: int = 0  # the length of the draft its last peek was offered
     empty_wait_steps: int = 0  # the wait after the proposer next finds nothing to draft
 
@@ -172,8 +173,8 @@ class DraftHistory:
         self.pause_steps = steps + -(step_index + steps + 1) % PEEK_EVERY
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
         self.accepted, self.reached = [FRESH_CHANCE], [1.0]
-        self.is_trial_due, self.is_peeking, self.peek_every = True, can_peek, PEEK_EVERY
-        self.last_peek_drafts = 0
+        self.is_trial_due, self.is_peeking = True, can_peek
+        self.peek_every, self.last_peek_drafts = self.first_peek_every, 0
 
     def is_peek_due(self, step_index: int) -> bool:
         """Whether step number `step_index` of its pause is one to ask the proposer in."""
@@ -196,9 +197,16 @@ class DraftHistory:
         return self.pause_steps
 
     def end_pause(self) -> None:
-        """A long draft came up while paused: draft again now."""
+        """A long draft came up while paused: draft again now. Should it not pay (paused again
+        at once: long drafts that keep failing), the next pause asks half as often from its
+        start, down to every `MAX_PEEK_EVERY` steps."""
         self.pause_steps = 0
         self.is_trial_due = self.is_peeking = False
+        self.first_peek_every = min(2 * self.peek_every, MAX_PEEK_EVERY)
+
+    def drafts_pay(self) -> None:
+        """The plan gave it drafts on their merits: short pauses and frequent peeks again."""
+        self.next_pause, self.first_peek_every = FIRST_PAUSE_STEPS, PEEK_EVERY
 
     def found(self, num_drafts: int, is_lookup_dear: bool) -> None:
         """The proposer gave `num_drafts` drafts; none again and again, where asking it costs
@@ -371,7 +379,7 @@ class AdaptiveSpeculator(Speculator):
                 chosen.append(request)
                 counts.append(1 if trial else count)
                 if not trial:
-                    history.next_pause = FIRST_PAUSE_STEPS  # drafting pays for it again
+                    history.drafts_pay()
             elif limit > 0:
                 history.pause(self.step_index, self.proposer.can_peek, len(decoding) == 1)
         return num_drafts + (self._give_drafts(chosen, counts) if chosen else 0)

@@ -422,6 +422,28 @@ def test_a_request_that_can_peek_tries_blind_only_when_alone(num_requests):
     assert all(h.pause_steps < longest + PEEK_EVERY for h in histories)
 
 
+def test_long_drafts_that_keep_failing_are_peeked_for_less_and_less_often():
+    """A long draft ends a pause; when it fails and the request pauses again at once, the next
+    pause's peeks start half as often (else such a request, beside another, made every fourth
+    step a verify step); drafts that pay bring the frequent peeks back."""
+    proposer = LikelihoodProposer(list(range(100, 100 + 2 * LONG_DRAFT)))  # long, always wrong
+    spec = speculator(proposer, num_speculative_tokens=2 * LONG_DRAFT)
+    requests = [decoding("a", max_tokens=None), decoding("b", max_tokens=None)]
+    verify_steps = []
+    for step_number in range(8 * MAX_PEEK_EVERY):
+        spec.propose(requests)
+        if any(r.spec_token_ids for r in requests):
+            verify_steps.append(step_number)
+        for request in requests:
+            step(request, 0)
+    gaps = [b - a for a, b in zip(verify_steps, verify_steps[1:], strict=False)]
+    assert gaps[-3:] == [MAX_PEEK_EVERY] * 3  # backed off as far as peeks go
+    assert len(verify_steps) < 8 + 8 * 2  # (every 4th step without the back-off: 64)
+    history = spec.histories["a"][1]
+    history.drafts_pay()
+    assert history.first_peek_every == PEEK_EVERY and history.next_pause == FIRST_PAUSE_STEPS
+
+
 def test_a_draft_filling_a_paused_requests_room_ends_its_pause():
     """A request with room for fewer than LONG_DRAFT drafts (`num_speculative_tokens` below
     it, or near its max_tokens): a draft of all of them will do (else it would never resume)."""
