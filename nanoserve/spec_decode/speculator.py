@@ -40,7 +40,10 @@ When to draft (speculation must never make a workload meaningfully slower):
   lookup every 32 steps, not every 4; one that has begun to repeat a passage is offered longer
   drafts each time, its match growing, and keeps being asked often). Beside other decoding
   requests such a request pauses `MAX_PAUSE_STEPS` before its trial (a trial makes their step
-  a verify step too); alone it tries after its pause as any other.
+  a verify step too); alone it tries after its pause as any other. Long drafts that ended a
+  pause and failed at once, twice in a row, make the next pause's peeks start half as often
+  (and so on, down to every `MAX_PEEK_EVERY` steps) until drafting pays again: such drafts,
+  failing every time beside another request, had made every fourth step a verify step.
 - Steps in which no request can draft (every one paused, none due a peek or a trial) cost a
   comparison: the speculator counts their pauses down ahead and returns at once while the
   same requests run (a `QuietSpell`; a small model's step is well under a millisecond, and the
@@ -128,6 +131,8 @@ class DraftHistory:
     # after empty lookups)
     peek_every: int = PEEK_EVERY  # while peeking: steps from one ask to the next
     first_peek_every: int = PEEK_EVERY  # ... at the start of its next pause
+    is_peek_draft_in_flight: bool = False  # its drafts in flight ended a pause
+    num_failed_peek_drafts: int = 0  # such drafts in a row that failed at once
     last_peek_drafts: int = 0  # the length of the draft its last peek was offered
     empty_wait_steps: int = 0  # the wait after the proposer next finds nothing to draft
 
@@ -149,7 +154,16 @@ class DraftHistory:
         return chances
 
     def learn(self, num_accepted: int, num_drafted: int) -> None:
-        """One verify step: the first `num_accepted` of its `num_drafted` drafts held."""
+        """One verify step: the first `num_accepted` of its `num_drafted` drafts held. Drafts
+        that ended a pause and failed at once (none held) for the second time in a row make
+        its next pause peek half as often from its start, down to every `MAX_PEEK_EVERY`
+        steps: long drafts that keep failing would otherwise make every fourth step a verify
+        step (one failure is left alone: an edit's drafts miss once where it diverges)."""
+        if self.is_peek_draft_in_flight:
+            self.is_peek_draft_in_flight = False
+            self.num_failed_peek_drafts = 0 if num_accepted else self.num_failed_peek_drafts + 1
+            if self.num_failed_peek_drafts >= 2:
+                self.first_peek_every = min(2 * self.peek_every, MAX_PEEK_EVERY)
         num_reached = min(num_accepted + 1, num_drafted)
         while len(self.reached) < num_reached:
             self.accepted.append(0.0)
@@ -197,16 +211,15 @@ class DraftHistory:
         return self.pause_steps
 
     def end_pause(self) -> None:
-        """A long draft came up while paused: draft again now. Should it not pay (paused again
-        at once: long drafts that keep failing), the next pause asks half as often from its
-        start, down to every `MAX_PEEK_EVERY` steps."""
+        """A long draft came up while paused: draft again now (see `learn` if it fails)."""
         self.pause_steps = 0
         self.is_trial_due = self.is_peeking = False
-        self.first_peek_every = min(2 * self.peek_every, MAX_PEEK_EVERY)
+        self.is_peek_draft_in_flight = True
 
     def drafts_pay(self) -> None:
         """The plan gave it drafts on their merits: short pauses and frequent peeks again."""
         self.next_pause, self.first_peek_every = FIRST_PAUSE_STEPS, PEEK_EVERY
+        self.num_failed_peek_drafts = 0
 
     def found(self, num_drafts: int, is_lookup_dear: bool) -> None:
         """The proposer gave `num_drafts` drafts; none again and again, where asking it costs

@@ -423,9 +423,9 @@ def test_a_request_that_can_peek_tries_blind_only_when_alone(num_requests):
 
 
 def test_long_drafts_that_keep_failing_are_peeked_for_less_and_less_often():
-    """A long draft ends a pause; when it fails and the request pauses again at once, the next
-    pause's peeks start half as often (else such a request, beside another, made every fourth
-    step a verify step); drafts that pay bring the frequent peeks back."""
+    """A long draft ends a pause; when such drafts fail at once a second time in a row, the
+    next pause's peeks start half as often, and so on (else such a request, beside another,
+    made every fourth step a verify step); drafts that pay bring the frequent peeks back."""
     proposer = LikelihoodProposer(list(range(100, 100 + 2 * LONG_DRAFT)))  # long, always wrong
     spec = speculator(proposer, num_speculative_tokens=2 * LONG_DRAFT)
     requests = [decoding("a", max_tokens=None), decoding("b", max_tokens=None)]
@@ -440,8 +440,13 @@ def test_long_drafts_that_keep_failing_are_peeked_for_less_and_less_often():
     assert gaps[-3:] == [MAX_PEEK_EVERY] * 3  # backed off as far as peeks go
     assert len(verify_steps) < 8 + 8 * 2  # (every 4th step without the back-off: 64)
     history = spec.histories["a"][1]
+    # Drafted at steps 0 and 1 (a fresh chance), paused, a peek's draft at step 3: after its
+    # failure the next comes PEEK_EVERY steps later (one failure is left alone), after the
+    # second's twice that.
+    assert verify_steps[:3] == [0, 1, 3] and gaps[2:4] == [PEEK_EVERY, 2 * PEEK_EVERY]
     history.drafts_pay()
     assert history.first_peek_every == PEEK_EVERY and history.next_pause == FIRST_PAUSE_STEPS
+    assert history.num_failed_peek_drafts == 0
 
 
 def test_a_draft_filling_a_paused_requests_room_ends_its_pause():
