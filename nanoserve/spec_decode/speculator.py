@@ -154,16 +154,9 @@ class DraftHistory:
         return chances
 
     def learn(self, num_accepted: int, num_drafted: int) -> None:
-        """One verify step: the first `num_accepted` of its `num_drafted` drafts held. Drafts
-        that ended a pause and failed at once (none held) for the second time in a row make
-        its next pause peek half as often from its start, down to every `MAX_PEEK_EVERY`
-        steps: long drafts that keep failing would otherwise make every fourth step a verify
-        step (one failure is left alone: an edit's drafts miss once where it diverges)."""
+        """One verify step: the first `num_accepted` of its `num_drafted` drafts held."""
         if self.is_peek_draft_in_flight:
-            self.is_peek_draft_in_flight = False
-            self.num_failed_peek_drafts = 0 if num_accepted else self.num_failed_peek_drafts + 1
-            if self.num_failed_peek_drafts >= 2:
-                self.first_peek_every = min(2 * self.peek_every, MAX_PEEK_EVERY)
+            self._peek_draft_verified(num_accepted)
         num_reached = min(num_accepted + 1, num_drafted)
         while len(self.reached) < num_reached:
             self.accepted.append(0.0)
@@ -174,6 +167,17 @@ class DraftHistory:
             if position < num_reached:
                 self.reached[position] += 1.0
                 self.accepted[position] += 1.0 if position < num_accepted else 0.0
+
+    def _peek_draft_verified(self, num_accepted: int) -> None:
+        """Drafts that ended a pause and failed at once (none held) for the second time in a
+        row make its next pause peek half as often from its start, down to every
+        `MAX_PEEK_EVERY` steps: long drafts that keep failing would otherwise make every fourth
+        step a verify step (one failure is left alone: an edit's drafts miss once where it
+        diverges)."""
+        self.is_peek_draft_in_flight = False
+        self.num_failed_peek_drafts = 0 if num_accepted else self.num_failed_peek_drafts + 1
+        if self.num_failed_peek_drafts >= 2:
+            self.first_peek_every = min(2 * self.peek_every, MAX_PEEK_EVERY)
 
     def pause(self, step_index: int, can_peek: bool, is_alone: bool) -> None:
         """No drafts for a while (this step, number `step_index`, the first), then a trial from
