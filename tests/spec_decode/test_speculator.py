@@ -439,11 +439,11 @@ def test_long_drafts_that_keep_failing_are_peeked_for_less_and_less_often():
     gaps = [b - a for a, b in zip(verify_steps, verify_steps[1:], strict=False)]
     assert gaps[-3:] == [MAX_PEEK_EVERY] * 3  # backed off as far as peeks go
     assert len(verify_steps) < 8 + 8 * 2  # (every 4th step without the back-off: 64)
-    history = spec.histories["a"][1]
     # Drafted at steps 0 and 1 (a fresh chance), paused, a peek's draft at step 3: after its
     # failure the next comes PEEK_EVERY steps later (one failure is left alone), after the
     # second's twice that.
     assert verify_steps[:3] == [0, 1, 3] and gaps[2:4] == [PEEK_EVERY, 2 * PEEK_EVERY]
+    history = spec.histories["a"][1]
     history.drafts_pay()
     assert history.first_peek_every == PEEK_EVERY and history.next_pause == FIRST_PAUSE_STEPS
     assert history.num_failed_peek_drafts == 0
