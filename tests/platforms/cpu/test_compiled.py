@@ -76,8 +76,8 @@ def test_compiled_decode_gives_the_plain_paths_tokens(tmp_path, architecture):
 def test_the_compiled_runner_leaves_nothing_to_compile_for_the_first_requests(tmp_path, is_reset):
     """Built, the compiled runner has its four decode graphs: decoding at batch sizes 1, 2 and 3,
     inside a context's first KV block and past it, compiles nothing more (with the compiled
-    graphs thrown away, the first of the same requests does compile: the control that shows the
-    count sees compiles, one batch of it enough)."""
+    graphs thrown away, the first batch of the same requests does compile: the control, which
+    shows that the count sees compiles, needs no more)."""
     from torch._dynamo.utils import counters
 
     model_dir = make_tiny_checkpoint(tmp_path, "qwen3")

@@ -139,8 +139,8 @@ def test_packed_linear_under_torch_compile(without_gemv):
     install_cpu_linears(layer, keep_plain_weights=False)
     compiled = torch.compile(lambda x: layer(x * 2.0) + 1.0, dynamic=True)
     with torch.inference_mode():
-        # One graph: sizes above 1 share it (a compiled one-token step takes the plain weight,
-        # as test_compiled_decode_keeps_the_plain_weight_for_one_token_steps checks).
+        # One graph: sizes above 1 share it (a compiled one-token step reads the plain weight
+        # instead, which test_compiled_decode_keeps_the_plain_weight_for_one_token_steps keeps).
         for num_tokens in (2, 5):
             x = torch.randn(num_tokens, 48, dtype=torch.bfloat16)
             expected = F.linear(x * 2.0, weight) + 1.0
